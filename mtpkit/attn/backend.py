@@ -1,0 +1,54 @@
+"""Which implementation of each attention-side op a model uses.
+
+The torch functions in gdn.py / conv.py / paged.py are the references (and the CPU path).
+GPU kernels register themselves here under another name; `select_backend` picks by device
+unless overridden (`LLM(..., attn_backend="torch")`, or MTPKIT_ATTN_BACKEND for debugging).
+"""
+
+import dataclasses
+import os
+from typing import Callable
+
+import torch
+
+from ..errors import ConfigError
+from . import conv, gdn, paged
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnBackend:
+    name: str
+    write_kv: Callable
+    paged_attention_prefill: Callable
+    paged_attention_verify: Callable
+    causal_conv1d_prefill: Callable
+    causal_conv1d_verify: Callable
+    gated_delta_rule_prefill: Callable
+    gated_delta_rule_verify: Callable
+
+
+TORCH = AttnBackend(
+    name="torch",
+    write_kv=paged.write_kv,
+    paged_attention_prefill=paged.paged_attention_prefill,
+    paged_attention_verify=paged.paged_attention_verify,
+    causal_conv1d_prefill=conv.causal_conv1d_prefill,
+    causal_conv1d_verify=conv.causal_conv1d_verify,
+    gated_delta_rule_prefill=gdn.gated_delta_rule_prefill,
+    gated_delta_rule_verify=gdn.gated_delta_rule_verify,
+)
+
+_REGISTRY: dict[str, Callable[[], AttnBackend]] = {"torch": lambda: TORCH}
+
+
+def register_backend(name: str, factory: Callable[[], AttnBackend]) -> None:
+    _REGISTRY[name] = factory
+
+
+def select_backend(device: torch.device, override: str | None = None) -> AttnBackend:
+    name = override or os.environ.get("MTPKIT_ATTN_BACKEND") or None
+    if name is None:
+        name = "triton" if device.type == "cuda" and "triton" in _REGISTRY else "torch"
+    if name not in _REGISTRY:
+        raise ConfigError(f"attention backend {name!r} is not available; choose from {sorted(_REGISTRY)}")
+    return _REGISTRY[name]()

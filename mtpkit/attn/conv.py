@@ -1,0 +1,102 @@
+"""Pure-torch reference of the GDN depthwise causal conv1d + SiLU with a speculative conv
+state, the oracle for the Triton kernels.
+
+A slot of the pool holds conv_state_len = W - 1 + num_spec input columns. The W-1 inputs
+that precede the next token (the "window") start at column offset num_accepted - 1:
+
+- verify (bundle = num_spec + 1 tokens x_0..x_{B-1} from window w): column j of the new
+  state is column j + 1 of concat[w, x] (zero beyond). The state is written before the
+  acceptance count a is known; this alignment puts the W-1 inputs ending at x_{a-1} at
+  offset a-1 for every a, which is what the next step reads. With B = num_spec + 1 this is
+  exactly "the last conv_state_len columns of concat[w, x]".
+- prefill (any number of tokens): the state is the last conv_state_len columns of
+  concat[w, x] (zero-padded on the left), i.e. the next window sits at offset
+  conv_state_len - (W-1) = num_spec, the same as a verify step that accepted everything.
+  Prefill reads its own initial window at that offset too.
+
+Math runs in fp32 (fp64 for fp64 inputs); outputs are cast to x's dtype, stored columns to
+the pool's dtype.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from mtpkit.shapes import Bool, Float, Int, Tensor, checked
+
+__all__ = ["causal_conv1d_prefill", "causal_conv1d_verify"]
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _conv_silu(seq: Tensor, weight: Tensor) -> Tensor:
+    """seq [R, C, W-1+T] (window then new inputs) -> silu(depthwise conv) [R, C, T]."""
+    return F.silu(F.conv1d(seq, weight[:, None, :].to(seq.dtype), groups=seq.shape[1]))
+
+
+@checked
+def causal_conv1d_prefill(
+    x: Float[Tensor, "num_tokens conv_dim"],
+    weight: Float[Tensor, "conv_dim conv_width"],
+    conv_state: Float[Tensor, "num_slots conv_dim conv_state_len"],
+    query_start_loc: Int[Tensor, "num_reqs+1"],
+    slots: Int[Tensor, "num_reqs"],
+    has_initial_state: Bool[Tensor, "num_reqs"],
+) -> Float[Tensor, "num_tokens conv_dim"]:
+    """Varlen prefill: request i owns tokens [qsl[i], qsl[i+1]), starts from the window at
+    offset conv_state_len - (W-1) of conv_state[slots[i]] (zeros when not
+    has_initial_state[i]) and leaves the last conv_state_len columns of [window, x] there.
+    Returns silu(conv(x)) in x's dtype."""
+    cd = _compute_dtype(x)
+    W, L = weight.shape[1], conv_state.shape[2]
+    if L < W - 1:
+        raise ValueError(f"conv_state_len ({L}) must be at least conv_width - 1 ({W - 1})")
+    has_init = has_initial_state.to(conv_state.device)
+    # All windows are read before any slot is written, so the loop order cannot matter.
+    windows = conv_state[torch.where(has_init, slots.long(), 0), :, L - (W - 1):].to(cd)
+    windows = torch.where(has_init[:, None, None], windows, 0)
+    xc = x.to(cd)
+    out = xc.new_empty(xc.shape)
+    new_states = []
+    bounds = query_start_loc.tolist()
+    for i in range(len(bounds) - 1):
+        sl = slice(bounds[i], bounds[i + 1])
+        seq = torch.cat([windows[i], xc[sl].T], dim=1)  # [C, W-1+T]
+        if bounds[i + 1] > bounds[i]:  # conv1d rejects an input shorter than its kernel
+            out[sl] = _conv_silu(seq[None], weight)[0].T
+        # Left zero-padding keeps the newest input in the last column whatever T is.
+        new_states.append(F.pad(seq, (max(L - seq.shape[1], 0), 0))[:, -L:])
+    if new_states:
+        conv_state[slots.long()] = torch.stack(new_states).to(conv_state.dtype)
+    return out.to(x.dtype)
+
+
+@checked
+def causal_conv1d_verify(
+    x: Float[Tensor, "num_reqs_padded bundle conv_dim"],
+    weight: Float[Tensor, "conv_dim conv_width"],
+    conv_state: Float[Tensor, "num_slots conv_dim conv_state_len"],
+    slots: Int[Tensor, "num_reqs_padded"],
+    num_accepted: Int[Tensor, "num_reqs_padded"],
+) -> Float[Tensor, "num_reqs_padded bundle conv_dim"]:
+    """A uniform verify/decode step, batched over requests: request i's window starts at
+    column num_accepted[i] - 1 of conv_state[slots[i]]; afterwards column j of that slot
+    holds column j + 1 of [window, x_i] (zeros past its end). Padded rows use slot 0 and
+    num_accepted 1. Returns silu(conv(x)) in x's dtype."""
+    cd = _compute_dtype(x)
+    R, B, C = x.shape
+    W, L = weight.shape[1], conv_state.shape[2]
+    if L < W - 1 + B - 1:
+        raise ValueError(f"conv_state_len ({L}) must be at least conv_width - 1 + bundle - 1 "
+                         f"({W - 1 + B - 1}) so that every num_accepted in 1..bundle has a window")
+    idx = slots.long()
+    state = conv_state[idx].to(cd)  # a copy: reads finish before the write below
+    cols = (num_accepted.long() - 1)[:, None] + torch.arange(W - 1, device=x.device)
+    window = state.gather(2, cols[:, None, :].expand(R, C, W - 1))
+    seq = torch.cat([window, x.to(cd).transpose(1, 2)], dim=2)  # [R, C, W-1+B]
+    out = _conv_silu(seq, weight).transpose(1, 2)
+    new_state = seq[:, :, 1:1 + L]
+    new_state = F.pad(new_state, (0, L - new_state.shape[2]))
+    conv_state[idx] = new_state.to(conv_state.dtype)
+    return out.to(x.dtype)

@@ -1,0 +1,220 @@
+"""Pure-torch reference of the gated delta rule (Gated DeltaNet), the oracle that the Triton
+kernels are tested against. Clarity and exactness come before speed.
+
+Per value head the state S is [k_dim, v_dim]; per token t (g_t <= 0 is a log-decay):
+    S = exp(g_t) * S;   S = S + k_t (beta_t * (v_t - k_t^T S))^T;   o_t = q_t^T S.
+
+Math runs in fp32, or in fp64 when the inputs are fp64, so that fp64 engine tests can ask
+for 1e-12 agreement; outputs are cast back to v's dtype, states to the pool's dtype.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from mtpkit.shapes import Bool, Float, Int, Tensor, checked
+
+__all__ = [
+    "gdn_recurrent_core", "gdn_chunked_core", "gdn_prepare",
+    "gated_delta_rule_prefill", "gated_delta_rule_verify",
+]
+
+
+def _compute_dtype(*xs: Tensor) -> torch.dtype:
+    return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
+
+
+@checked
+def gdn_recurrent_core(
+    q: Float[Tensor, "seq_len v_heads k_dim"],
+    k: Float[Tensor, "seq_len v_heads k_dim"],
+    v: Float[Tensor, "seq_len v_heads v_dim"],
+    g: Float[Tensor, "seq_len v_heads"],
+    beta: Float[Tensor, "seq_len v_heads"],
+    initial_state: Float[Tensor, "v_heads k_dim v_dim"],
+) -> tuple[Float[Tensor, "seq_len v_heads v_dim"], Float[Tensor, "v_heads k_dim v_dim"]]:
+    """Token-by-token gated delta rule on prepared inputs (q already normalised and scaled,
+    heads already repeated to v_heads). Returns (o, final_state) in the compute dtype."""
+    cd = _compute_dtype(q, k, v, initial_state)
+    q, k, v, g, beta = (x.to(cd) for x in (q, k, v, g, beta))
+    state = initial_state.to(cd).clone()
+    o = q.new_empty(v.shape)
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        # What the decayed state already predicts for k_t; only the error is written.
+        predicted = torch.einsum("hk,hkv->hv", k[t], state)
+        delta = beta[t][:, None] * (v[t] - predicted)
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        o[t] = torch.einsum("hk,hkv->hv", q[t], state)
+    return o, state
+
+
+@checked
+def gdn_chunked_core(
+    q: Float[Tensor, "seq_len v_heads k_dim"],
+    k: Float[Tensor, "seq_len v_heads k_dim"],
+    v: Float[Tensor, "seq_len v_heads v_dim"],
+    g: Float[Tensor, "seq_len v_heads"],
+    beta: Float[Tensor, "seq_len v_heads"],
+    initial_state: Float[Tensor, "v_heads k_dim v_dim"],
+    chunk_size: int = 64,
+) -> tuple[Float[Tensor, "seq_len v_heads v_dim"], Float[Tensor, "v_heads k_dim v_dim"]]:
+    """The same recurrence, chunk by chunk (UT-transform / WY form), exact up to rounding.
+
+    Inside a chunk, with G_t = g_0 + ... + g_t (cumulative log-decay from the chunk start)
+    and S0 the state entering the chunk, unrolling the recurrence gives
+        u_t = beta_t (v_t - exp(G_t) S0^T k_t - sum_{j<t} exp(G_t - G_j) (k_t.k_j) u_j)
+        o_t = exp(G_t) S0^T q_t + sum_{j<=t} exp(G_t - G_j) (q_t.k_j) u_j
+        S   = exp(G_last) S0 + sum_j exp(G_last - G_j) k_j u_j^T
+    where u_t is the delta actually written for token t. The first line is a unit lower
+    triangular system (I + A) U = beta V - beta exp(G) K S0, solved once per chunk.
+    The last chunk may be shorter: it is sliced rather than zero-padded, so no padding
+    token ever touches the state.
+    """
+    cd = _compute_dtype(q, k, v, initial_state)
+    # Head-major: every per-chunk product below is a batched matmul over heads.
+    q, k, v = (x.to(cd).transpose(0, 1) for x in (q, k, v))  # [H, T, d]
+    g, beta = (x.to(cd).transpose(0, 1) for x in (g, beta))  # [H, T]
+    state = initial_state.to(cd).clone()
+    seq_len = q.shape[1]
+    o = q.new_empty(q.shape[0], seq_len, v.shape[-1])
+    for start in range(0, seq_len, chunk_size):
+        sl = slice(start, min(start + chunk_size, seq_len))
+        qc, kc, vc, bc = q[:, sl], k[:, sl], v[:, sl], beta[:, sl]
+        G = g[:, sl].cumsum(-1)  # [H, c]
+        c = G.shape[-1]
+        # exp(G_t - G_j) for j <= t; the upper triangle is set to -inf before exp so that
+        # large positive differences never overflow.
+        lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        decay = (G[:, :, None] - G[:, None, :]).masked_fill(~lower, float("-inf")).exp()
+        kk = kc @ kc.transpose(-1, -2)  # [H, c, c]
+        A = (bc[:, :, None] * kk * decay).tril(-1)
+        eye = torch.eye(c, dtype=cd, device=q.device)
+        rhs_v = bc[:, :, None] * vc
+        rhs_s = bc[:, :, None] * G.exp()[:, :, None] * kc  # multiplies S0 from the right
+        rhs = torch.cat([rhs_v, rhs_s], dim=-1)
+        sol = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+        w_v, w_s = sol.split([vc.shape[-1], kc.shape[-1]], dim=-1)
+        u = w_v - w_s @ state  # [H, c, dv]
+        qk = (qc @ kc.transpose(-1, -2)) * decay  # includes the diagonal (j == t)
+        o[:, sl] = (G.exp()[:, :, None] * qc) @ state + qk @ u
+        tail = (G[:, -1:] - G).exp()  # exp(G_last - G_j)
+        state = G[:, -1].exp()[:, None, None] * state + (tail[:, :, None] * kc).transpose(-1, -2) @ u
+    return o.transpose(0, 1), state
+
+
+@checked
+def gdn_prepare(
+    q: Float[Tensor, "num_tokens k_heads k_dim"],
+    k: Float[Tensor, "num_tokens k_heads k_dim"],
+    a: Float[Tensor, "num_tokens v_heads"],
+    b: Float[Tensor, "num_tokens v_heads"],
+    A_log: Float[Tensor, "v_heads"],
+    dt_bias: Float[Tensor, "v_heads"],
+    dtype: torch.dtype = torch.float32,
+) -> tuple[
+    Float[Tensor, "num_tokens v_heads k_dim"], Float[Tensor, "num_tokens v_heads k_dim"],
+    Float[Tensor, "num_tokens v_heads"], Float[Tensor, "num_tokens v_heads"],
+]:
+    """The preprocessing shared by prefill and verify: returns (q, k, g, beta) in `dtype`
+    (fp32, or fp64 for fp64 models): q and k L2-normalised per head (eps inside the rsqrt,
+    as transformers / FLA do), q scaled by k_dim**-0.5, heads repeated k_heads -> v_heads,
+    beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)."""
+    k_heads, v_heads = q.shape[1], a.shape[1]
+    if v_heads % k_heads:
+        raise ValueError(f"v_heads ({v_heads}) must be a multiple of k_heads ({k_heads})")
+    q, k = q.to(dtype), k.to(dtype)
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * q.shape[-1] ** -0.5
+    # Value head h reads key head h // r (the checkpoint groups value heads per key head).
+    r = v_heads // k_heads
+    q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
+    beta = torch.sigmoid(b.to(dtype))
+    g = -A_log.to(dtype).exp() * F.softplus(a.to(dtype) + dt_bias.to(dtype))
+    return q, k, g, beta
+
+
+@checked
+def gated_delta_rule_prefill(
+    q: Float[Tensor, "num_tokens k_heads k_dim"],
+    k: Float[Tensor, "num_tokens k_heads k_dim"],
+    v: Float[Tensor, "num_tokens v_heads v_dim"],
+    a: Float[Tensor, "num_tokens v_heads"],
+    b: Float[Tensor, "num_tokens v_heads"],
+    A_log: Float[Tensor, "v_heads"],
+    dt_bias: Float[Tensor, "v_heads"],
+    ssm_state: Float[Tensor, "num_slots v_heads k_dim v_dim"],
+    query_start_loc: Int[Tensor, "num_reqs+1"],
+    read_slots: Int[Tensor, "num_reqs"],
+    write_slots: Int[Tensor, "num_reqs"],
+    has_initial_state: Bool[Tensor, "num_reqs"],
+    chunk_size: int = 64,
+) -> Float[Tensor, "num_tokens v_heads v_dim"]:
+    """Varlen prefill over packed requests: request i owns tokens [qsl[i], qsl[i+1]),
+    starts from ssm_state[read_slots[i]] (zeros when not has_initial_state[i]) and leaves
+    its final state in ssm_state[write_slots[i]] (in place, in the pool's dtype).
+    Returns the core output (before the gated norm) in v's dtype."""
+    cd = _compute_dtype(q, k, v)
+    qp, kp, g, beta = gdn_prepare(q, k, a, b, A_log, dt_bias, dtype=cd)
+    vc = v.to(cd)
+    # Every initial state is read before any is written, so a request's write slot may be
+    # another request's read slot without the order of the loop mattering.
+    has_init = has_initial_state.to(ssm_state.device)
+    # A request without initial state may carry any read slot: it is never dereferenced.
+    init = ssm_state[torch.where(has_init, read_slots.long(), 0)].to(cd)
+    init = torch.where(has_init[:, None, None, None], init, 0)
+    out = vc.new_empty(vc.shape)
+    finals = []
+    bounds = query_start_loc.tolist()
+    for i in range(len(bounds) - 1):
+        sl = slice(bounds[i], bounds[i + 1])
+        o_i, s_i = gdn_chunked_core(qp[sl], kp[sl], vc[sl], g[sl], beta[sl], init[i],
+                                    chunk_size=chunk_size)
+        out[sl] = o_i
+        finals.append(s_i)
+    if finals:
+        ssm_state[write_slots.long()] = torch.stack(finals).to(ssm_state.dtype)
+    return out.to(v.dtype)
+
+
+@checked
+def gated_delta_rule_verify(
+    q: Float[Tensor, "num_reqs_padded bundle k_heads k_dim"],
+    k: Float[Tensor, "num_reqs_padded bundle k_heads k_dim"],
+    v: Float[Tensor, "num_reqs_padded bundle v_heads v_dim"],
+    a: Float[Tensor, "num_reqs_padded bundle v_heads"],
+    b: Float[Tensor, "num_reqs_padded bundle v_heads"],
+    A_log: Float[Tensor, "v_heads"],
+    dt_bias: Float[Tensor, "v_heads"],
+    ssm_state: Float[Tensor, "num_slots v_heads k_dim v_dim"],
+    state_slots: Int[Tensor, "num_reqs_padded bundle"],
+    num_accepted: Int[Tensor, "num_reqs_padded"],
+) -> Float[Tensor, "num_reqs_padded bundle v_heads v_dim"]:
+    """A uniform verify/decode step (vLLM's contract, spec_decode.md): request i starts
+    from ssm_state[state_slots[i, num_accepted[i] - 1]] and the state after its token t
+    is written to ssm_state[state_slots[i, t]]. Padded rows point every slot at the null
+    slot 0 with num_accepted 1: they read and write only slot 0 (finite as long as the
+    pool was zero-initialised, since only finite states are ever written there)."""
+    R, B = q.shape[:2]
+    cd = _compute_dtype(q, k, v)
+    qp, kp, g, beta = gdn_prepare(q.flatten(0, 1), k.flatten(0, 1), a.flatten(0, 1),
+                                  b.flatten(0, 1), A_log, dt_bias, dtype=cd)
+    qp, kp = qp.view(R, B, *qp.shape[1:]), kp.view(R, B, *kp.shape[1:])
+    g, beta = g.view(R, B, -1), beta.view(R, B, -1)
+    vc = v.to(cd)
+    slots = state_slots.long()
+    read = slots.gather(1, (num_accepted.long() - 1)[:, None])[:, 0]
+    # Advanced indexing copies, so all reads happen before the writes below: with
+    # num_accepted == bundle the read slot is also the slot written at the last position.
+    state = ssm_state[read].to(cd)  # [R, H, dk, dv]
+    out = vc.new_empty(vc.shape)
+    states = []
+    for t in range(B):
+        state = state * g[:, t].exp()[:, :, None, None]
+        predicted = torch.einsum("rhk,rhkv->rhv", kp[:, t], state)
+        delta = beta[:, t, :, None] * (vc[:, t] - predicted)
+        state = state + kp[:, t, :, :, None] * delta[:, :, None, :]
+        out[:, t] = torch.einsum("rhk,rhkv->rhv", qp[:, t], state)
+        states.append(state)
+    ssm_state[slots.reshape(-1)] = torch.stack(states, dim=1).flatten(0, 1).to(ssm_state.dtype)
+    return out.to(v.dtype)

@@ -1,0 +1,156 @@
+"""Attention metadata: typed dataclasses built by pure functions from a scheduled step.
+
+Two layouts, and only two:
+- PREFILL: ragged chunks of prompts, packed token-major (`query_start_loc`), run eager.
+- UNIFORM: every row feeds the same number of query tokens, request-major. A verify step has
+  `bundle` tokens per row (num_spec + 1; 1 without speculation), an MTP draft pass has 1.
+  Rows are padded to `num_reqs_padded` (a captured graph size). Padded rows are real rows
+  that point at null storage: token 0, positions 0..q-1, seq_len q, block-table row of the
+  null block (0), state slots of the null slot (0), num_accepted 1. They compute finite
+  garbage into null storage and are never sampled.
+
+Builders run on the host (lists -> one tensor each) and move every tensor to the device once.
+"""
+
+import dataclasses
+
+import torch
+
+from ..shapes import Bool, Int, Tensor, checked, shaped_dataclass
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    """One request's share of a prefill step: tokens at positions start .. start+len-1."""
+
+    token_ids: list[int]
+    start: int                 # tokens of this request already in the caches
+    block_ids: list[int]
+    conv_slot: int             # GDN conv-state slot (the request's first state slot)
+    ssm_slot: int              # GDN recurrent-state slot read and written by prefill
+
+
+@dataclasses.dataclass(frozen=True)
+class UniformRow:
+    """One request's row of a uniform step."""
+
+    token_ids: list[int]       # q tokens: [last sampled, drafts...] (verify) or [draft] (MTP)
+    start: int                 # position of token_ids[0]
+    block_ids: list[int]
+    state_slots: list[int]     # bundle GDN slots (verify); ignored by MTP passes
+    num_accepted: int          # tokens accepted for this request in its previous step (>= 1)
+
+
+@shaped_dataclass(frozen=True)
+class PrefillMetadata:
+    seq_lens: Int[Tensor, "num_reqs"]                  # cached prefix + this chunk
+    query_start_loc: Int[Tensor, "num_reqs+1"]
+    block_table: Int[Tensor, "num_reqs max_blocks"]
+    slot_mapping: Int[Tensor, "num_tokens"]            # KV slot of every token
+    conv_slots: Int[Tensor, "num_reqs"]
+    ssm_slots: Int[Tensor, "num_reqs"]
+    has_initial_state: Bool[Tensor, "num_reqs"]        # a previous chunk left state behind
+    logits_indices: Int[Tensor, "num_reqs"]            # the last token of every chunk
+    num_reqs: int
+    max_seq_len: int                                   # host copy, so attention needs no sync
+
+
+@shaped_dataclass(frozen=True)
+class UniformMetadata:
+    seq_lens: Int[Tensor, "num_reqs_padded"]           # context including this step's tokens
+    block_table: Int[Tensor, "num_reqs_padded max_blocks"]
+    slot_mapping: Int[Tensor, "num_tokens"]
+    state_slots: Int[Tensor, "num_reqs_padded bundle"]
+    num_accepted: Int[Tensor, "num_reqs_padded"]
+    num_reqs: int                                      # real rows; the rest are padding
+    num_reqs_padded: int
+    bundle: int                                        # query tokens per row
+    max_seq_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_reqs_padded * self.bundle
+
+
+def _block_table(rows: list[list[int]], max_blocks: int) -> Tensor:
+    table = torch.zeros(len(rows), max_blocks, dtype=torch.int64)
+    for i, ids in enumerate(rows):
+        if ids:
+            table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+    return table
+
+
+def _slots(positions: Tensor, table: Tensor, row_of_token: Tensor, block_size: int) -> Tensor:
+    blocks = table[row_of_token, positions // block_size]
+    return blocks * block_size + positions % block_size
+
+
+@checked
+def build_prefill(
+    chunks: list[PrefillChunk], block_size: int, max_blocks: int, device: torch.device
+) -> tuple[Int[Tensor, "num_tokens"], Int[Tensor, "num_tokens"], PrefillMetadata]:
+    """token_ids, positions and metadata of a prefill step."""
+    lens = [len(c.token_ids) for c in chunks]
+    for c in chunks:
+        need = -(-(c.start + len(c.token_ids)) // block_size)
+        assert len(c.block_ids) >= need, "scheduler must allocate blocks before building"
+    token_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
+    positions = torch.cat([torch.arange(c.start, c.start + n) for c, n in zip(chunks, lens)])
+    row = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(lens))
+    table = _block_table([c.block_ids for c in chunks], max_blocks)
+    qsl = torch.zeros(len(chunks) + 1, dtype=torch.int64)
+    qsl[1:] = torch.cumsum(torch.tensor(lens), 0)
+    seq_lens = torch.tensor([c.start + n for c, n in zip(chunks, lens)], dtype=torch.int64)
+    meta = PrefillMetadata(
+        seq_lens=seq_lens.to(device),
+        query_start_loc=qsl.to(device),
+        block_table=table.to(device),
+        slot_mapping=_slots(positions, table, row, block_size).to(device),
+        conv_slots=torch.tensor([c.conv_slot for c in chunks], dtype=torch.int64, device=device),
+        ssm_slots=torch.tensor([c.ssm_slot for c in chunks], dtype=torch.int64, device=device),
+        has_initial_state=torch.tensor([c.start > 0 for c in chunks], dtype=torch.bool, device=device),
+        logits_indices=(qsl[1:] - 1).to(device),
+        num_reqs=len(chunks),
+        max_seq_len=int(seq_lens.max()),
+    )
+    return token_ids.to(device), positions.to(device), meta
+
+
+def padded_row(q: int, bundle_slots: int) -> UniformRow:
+    """The inert row that pads a uniform step (see the module docstring)."""
+    return UniformRow(token_ids=[0] * q, start=0, block_ids=[], state_slots=[0] * bundle_slots,
+                      num_accepted=1)
+
+
+@checked
+def build_uniform(
+    rows: list[UniformRow], num_reqs_padded: int, block_size: int, max_blocks: int,
+    device: torch.device,
+) -> tuple[Int[Tensor, "num_tokens"], Int[Tensor, "num_tokens"], UniformMetadata]:
+    """token_ids, positions and metadata of a uniform step padded to num_reqs_padded rows."""
+    q = len(rows[0].token_ids)
+    nslots = len(rows[0].state_slots)
+    if any(len(r.token_ids) != q or len(r.state_slots) != nslots for r in rows):
+        raise ValueError("uniform step rows must all feed the same number of tokens")
+    if not 1 <= len(rows) <= num_reqs_padded:
+        raise ValueError(f"{len(rows)} rows do not fit num_reqs_padded={num_reqs_padded}")
+    num_reqs = len(rows)
+    rows = rows + [padded_row(q, nslots)] * (num_reqs_padded - num_reqs)
+    start = torch.tensor([r.start for r in rows], dtype=torch.int64)
+    positions = (start[:, None] + torch.arange(q)[None, :]).reshape(-1)
+    row_of_token = torch.arange(num_reqs_padded).repeat_interleave(q)
+    table = _block_table([r.block_ids for r in rows], max_blocks)
+    seq_lens = start + q
+    meta = UniformMetadata(
+        seq_lens=seq_lens.to(device),
+        block_table=table.to(device),
+        slot_mapping=_slots(positions, table, row_of_token, block_size).to(device),
+        state_slots=torch.tensor([r.state_slots for r in rows], dtype=torch.int64, device=device),
+        num_accepted=torch.tensor([r.num_accepted for r in rows], dtype=torch.int64, device=device),
+        num_reqs=num_reqs,
+        num_reqs_padded=num_reqs_padded,
+        bundle=q,
+        max_seq_len=int(seq_lens.max()),
+    )
+    token_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int64)
+    return token_ids.to(device), positions.to(device), meta

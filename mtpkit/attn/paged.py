@@ -1,0 +1,121 @@
+"""Pure-torch reference of paged full attention (causal, GQA, optional sliding window and
+logit softcap), the oracle for the Triton kernels.
+
+KV pool per layer: k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]; block 0 is
+the null block. Position p of request i lives in block block_table[i, p // block_size] at
+offset p % block_size (slot id = block * block_size + offset). The KV of the step's own
+tokens must already be in the pool (`write_kv`) before attention runs. A request's new
+tokens are the last q_len positions of its context: seq_len - q_len .. seq_len - 1.
+
+Scores and softmax run in fp32 (fp64 for fp64 inputs); the output is cast to q's dtype.
+"""
+
+import torch
+
+from mtpkit.shapes import Float, Int, Tensor, checked
+
+__all__ = ["write_kv", "paged_attention_prefill", "paged_attention_verify"]
+
+
+@checked
+def write_kv(
+    k: Float[Tensor, "num_tokens kv_heads head_dim"],
+    v: Float[Tensor, "num_tokens kv_heads head_dim"],
+    k_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
+    v_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
+    slot_mapping: Int[Tensor, "num_tokens"],
+) -> None:
+    """Store each token's K/V at its slot id (in place, in the cache's dtype)."""
+    block_size = k_cache.shape[1]
+    slot = slot_mapping.long()
+    # Block/offset indexing instead of a flattened view: works for any cache layout.
+    blocks, offsets = slot // block_size, slot % block_size
+    k_cache[blocks, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, offsets] = v.to(v_cache.dtype)
+
+
+def _gather_kv(cache: Tensor, block_table: Tensor, ctx_len: int) -> Tensor:
+    """[R, max_blocks] block table -> [R, ctx_len, kv_heads, head_dim] dense K or V."""
+    block_size = cache.shape[1]
+    pos = torch.arange(ctx_len, device=cache.device)
+    blocks = block_table.long()[:, pos // block_size]
+    return cache[blocks, (pos % block_size)[None, :].expand_as(blocks)]
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, seq_lens: Tensor, scale: float,
+            sliding_window: int | None, softcap: float | None) -> Tensor:
+    """q [R, Q, H, D] at positions q_pos [R, Q]; k, v [R, K, KVH, D] at positions 0..K-1,
+    of which the first seq_lens[r] are real. Returns [R, Q, H, D] in q's dtype."""
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    # Query head h reads KV head h // (heads // kv_heads).
+    k = k.to(cd).repeat_interleave(heads // kv_heads, dim=2)
+    v = v.to(cd).repeat_interleave(heads // kv_heads, dim=2)
+    scores = torch.einsum("rqhd,rkhd->rhqk", q.to(cd), k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    k_pos = torch.arange(k.shape[1], device=q.device)
+    visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & \
+              (k_pos[None, None, :] < seq_lens.to(q.device)[:, None, None])
+    if sliding_window is not None:
+        visible &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("rhqk,rkhd->rqhd", probs, v).to(q.dtype)
+
+
+@checked
+def paged_attention_prefill(
+    q: Float[Tensor, "num_tokens heads head_dim"],
+    k_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
+    v_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
+    query_start_loc: Int[Tensor, "num_reqs+1"],
+    seq_lens: Int[Tensor, "num_reqs"],
+    block_table: Int[Tensor, "num_reqs max_blocks"],
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> Float[Tensor, "num_tokens heads head_dim"]:
+    """Varlen prefill (a chunk, possibly after a cached prefix): request i's queries are
+    tokens [qsl[i], qsl[i+1]) at positions seq_lens[i] - q_len .. seq_lens[i] - 1; query
+    at p sees keys 0..p (only p - sliding_window < key <= p with a window);
+    scores = softcap * tanh(scores / softcap) before masking when softcap is given."""
+    out = q.new_empty(q.shape)
+    bounds = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i in range(len(lens)):
+        start, end, ctx = bounds[i], bounds[i + 1], lens[i]
+        if end == start:
+            continue
+        kk = _gather_kv(k_cache, block_table[i:i + 1], ctx)
+        vv = _gather_kv(v_cache, block_table[i:i + 1], ctx)
+        q_pos = torch.arange(ctx - (end - start), ctx, device=q.device)[None]
+        out[start:end] = _attend(q[None, start:end], kk, vv, q_pos, seq_lens[i:i + 1], scale,
+                                 sliding_window, softcap)[0]
+    return out
+
+
+@checked
+def paged_attention_verify(
+    q: Float[Tensor, "num_reqs_padded bundle heads head_dim"],
+    k_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
+    v_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
+    seq_lens: Int[Tensor, "num_reqs_padded"],
+    block_table: Int[Tensor, "num_reqs_padded max_blocks"],
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> Float[Tensor, "num_reqs_padded bundle heads head_dim"]:
+    """A uniform verify/decode step, batched over requests: every request's bundle tokens
+    are its last positions seq_lens[i] - bundle .. seq_lens[i] - 1. K/V are gathered up to
+    max(seq_lens) and masked per row by seq_len and causality. Padded rows (block-table
+    row of zeros, seq_len = bundle) read the null block and stay finite. Requires
+    seq_lens >= bundle, so every query sees at least itself."""
+    bundle = q.shape[1]
+    ctx = int(seq_lens.max().item()) if seq_lens.numel() else 0
+    kk = _gather_kv(k_cache, block_table, ctx)
+    vv = _gather_kv(v_cache, block_table, ctx)
+    q_pos = seq_lens.long().to(q.device)[:, None] - bundle + torch.arange(bundle, device=q.device)
+    return _attend(q, kk, vv, q_pos, seq_lens, scale, sliding_window, softcap)

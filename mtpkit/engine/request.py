@@ -1,0 +1,117 @@
+"""A request's host-side state, and what the user gets back."""
+
+import dataclasses
+import enum
+
+import torch
+
+from ..spec.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Speculation counters; mean acceptance length = tokens emitted per verify step."""
+
+    num_spec: int = 0
+    verify_steps: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.verify_steps += 1
+        self.num_drafted += drafted
+        self.num_accepted += accepted
+        if len(self.accepted_per_position) < self.num_spec:
+            self.accepted_per_position += [0] * (self.num_spec - len(self.accepted_per_position))
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
+
+    def merge(self, other: "SpecStats") -> None:
+        self.num_spec = max(self.num_spec, other.num_spec)
+        self.verify_steps += other.verify_steps
+        self.num_drafted += other.num_drafted
+        self.num_accepted += other.num_accepted
+        n = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        a = self.accepted_per_position + [0] * (n - len(self.accepted_per_position))
+        b = other.accepted_per_position + [0] * (n - len(other.accepted_per_position))
+        self.accepted_per_position = [x + y for x, y in zip(a, b)]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted drafts per verify step (num_spec + 1 when everything is accepted)."""
+        return 1.0 + self.num_accepted / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        """Fraction of verify steps that accepted the draft at position j (0-based)."""
+        if not self.verify_steps:
+            return [0.0] * self.num_spec
+        return [n / self.verify_steps for n in self.accepted_per_position]
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    def __str__(self) -> str:
+        rates = ", ".join(f"{r:.2f}" for r in self.acceptance_rate_per_position)
+        return (f"mean acceptance length {self.mean_acceptance_length:.2f} "
+                f"({self.num_accepted}/{self.num_drafted} drafts accepted; per position [{rates}])")
+
+
+@dataclasses.dataclass
+class Request:
+    req_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    generator: torch.Generator | None
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0          # tokens whose KV and GDN state are in the caches
+    prefill_target: int = 0        # tokens to prefill (prompt + outputs when recomputed)
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    state_slots: list[int] | None = None
+    num_accepted: int = 1          # a of the previous step: selects the GDN state to read
+    drafts: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    stats: SpecStats = dataclasses.field(default_factory=SpecStats)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prefill_target
+
+    def remaining(self, max_model_len: int) -> int:
+        """Tokens this request may still emit."""
+        return min(self.params.max_tokens - len(self.output_token_ids), max_model_len - self.num_tokens)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None        # "length", "stop", "error"
+    spec_stats: SpecStats
+    error: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

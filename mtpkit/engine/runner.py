@@ -1,0 +1,109 @@
+"""Runs one scheduled step: metadata -> model -> sampler / rejection -> proposer.
+
+Prefill steps run eager. Verify steps go through `uniform_forward`, which a graph runner
+(mtpkit.graphs) replaces with captured replays; padded rows are inert by construction.
+"""
+
+import torch
+
+from ..attn.metadata import PrefillChunk, UniformRow, build_prefill, build_uniform
+from ..config import EngineConfig
+from ..models.qwen3_next import Qwen3NextForCausalLM
+from ..spec.mtp import MTPProposer
+from ..spec.rejection import rejection_sample
+from ..spec.sampling import SamplingTensors
+from .cache import CacheTensors
+from .request import Request
+from .scheduler import ReqResult, StepKind, StepPlan
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen3NextForCausalLM, cache: CacheTensors, ecfg: EngineConfig,
+                 device: torch.device):
+        self.model, self.cache, self.cfg, self.device = model, cache, ecfg, device
+        self.proposer = MTPProposer(model, ecfg, device) if ecfg.num_spec > 0 else None
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> list[ReqResult]:
+        if plan.kind == StepKind.PREFILL:
+            return self._prefill(plan)
+        return self._verify(plan)
+
+    # ---- prefill ----------------------------------------------------------------------
+    def prefill_hidden(self, chunks: list[PrefillChunk]):
+        token_ids, positions, meta = build_prefill(chunks, self.cfg.block_size, self.cfg.max_blocks, self.device)
+        return self.model(token_ids, positions, meta, self.cache), positions, meta
+
+    def _prefill(self, plan: StepPlan) -> list[ReqResult]:
+        reqs = plan.reqs
+        chunks = [PrefillChunk(r.all_token_ids[r.num_computed:r.num_computed + n], r.num_computed,
+                               r.block_ids, r.state_slots[0], r.state_slots[-1])
+                  for r, n in zip(reqs, plan.chunk_lens)]
+        hidden, positions, meta = self.prefill_hidden(chunks)
+        done = [i for i, (r, n) in enumerate(zip(reqs, plan.chunk_lens)) if r.num_computed + n == r.prefill_target]
+        results = [ReqResult([], 1, 0, []) for _ in reqs]
+        if not done:
+            sampled = []
+        else:
+            last = meta.logits_indices[done]
+            logits = self.model.compute_logits(hidden[last])[:, None, :]            # [done, 1, vocab]
+            sub = [reqs[i] for i in done]
+            st = SamplingTensors.from_params([r.params for r in sub], self.device)
+            empty = torch.zeros(len(done), 0, dtype=torch.int64, device=self.device)
+            tokens, _ = rejection_sample(logits, empty, torch.zeros(len(done), dtype=torch.int64,
+                                                                    device=self.device),
+                                         st, [r.generator for r in sub])
+            sampled = tokens[:, 0].tolist()
+            for i, t in zip(done, sampled):
+                results[i].emitted = [t]
+        if self.proposer is not None:
+            # The token after each position: the next prompt token, or for a finished prompt
+            # the token just sampled (a non-final chunk's last position sees the next chunk's first).
+            nxt = []
+            sampled_of = dict(zip(done, sampled))
+            for i, (r, n) in enumerate(zip(reqs, plan.chunk_lens)):
+                seq = r.all_token_ids
+                follow = seq[r.num_computed + 1:r.num_computed + n]
+                follow.append(sampled_of[i] if i in sampled_of else seq[r.num_computed + n])
+                nxt.extend(follow)
+            next_tokens = torch.tensor(nxt, dtype=torch.int64, device=self.device)
+            if done:
+                last = meta.logits_indices[done]
+                drafts = self.proposer.propose(hidden, next_tokens, positions, meta, self.cache, last,
+                                               [reqs[i].block_ids for i in done], len(done))
+                for i, d in zip(done, drafts.tolist()):
+                    results[i].drafts = d
+            else:  # fill the MTP layer's KV for these positions; no drafts yet
+                self.model.mtp_forward(next_tokens, positions, hidden, meta, self.cache, step=0)
+        return results
+
+    # ---- verify -----------------------------------------------------------------------
+    def uniform_forward(self, rows: list[UniformRow], num_reqs_padded: int):
+        token_ids, positions, meta = build_uniform(rows, num_reqs_padded, self.cfg.block_size,
+                                                   self.cfg.max_blocks, self.device)
+        return self.model(token_ids, positions, meta, self.cache), positions, meta
+
+    def _verify(self, plan: StepPlan) -> list[ReqResult]:
+        reqs, R, B, k = plan.reqs, plan.num_reqs, plan.bundle, plan.bundle - 1
+        rows = [UniformRow([r.all_token_ids[-1]] + r.drafts, r.num_computed, r.block_ids,
+                           r.state_slots, r.num_accepted) for r in reqs]
+        hidden, positions, meta = self.uniform_forward(rows, plan.num_reqs_padded)
+        H = hidden.shape[-1]
+        logits = self.model.compute_logits(hidden.view(plan.num_reqs_padded, B, H)[:R].reshape(R * B, H))
+        logits = logits.view(R, B, -1)
+        drafts = torch.tensor([r.drafts for r in reqs], dtype=torch.int64, device=self.device).view(R, k)
+        limit_list = [min(k, max(r.remaining(self.cfg.max_model_len) - 1, 0)) for r in reqs]
+        limit = torch.tensor(limit_list, dtype=torch.int64, device=self.device)
+        st = SamplingTensors.from_params([r.params for r in reqs], self.device)
+        tokens, n_emit = rejection_sample(logits, drafts, limit, st, [r.generator for r in reqs])
+        n_list, tok_list = n_emit.tolist(), tokens.tolist()
+        new_drafts = [[] for _ in reqs]
+        if self.proposer is not None:
+            nxt = torch.zeros(plan.num_reqs_padded, B, dtype=torch.int64, device=self.device)
+            nxt[:R, :k] = drafts                      # the token after position j is d_{j+1} ...
+            keep = torch.arange(B, device=self.device)[None, :] < n_emit[:, None]
+            nxt[:R] = torch.where(keep, tokens, nxt[:R])  # ... and after the accepted ones, what was emitted
+            last = torch.arange(R, device=self.device) * B + (n_emit - 1)
+            new_drafts = self.proposer.propose(hidden, nxt.view(-1), positions, meta, self.cache, last,
+                                               [r.block_ids for r in reqs], plan.num_reqs_padded).tolist()
+        return [ReqResult(tok_list[i][:n_list[i]], n_list[i], limit_list[i], new_drafts[i]) for i in range(R)]

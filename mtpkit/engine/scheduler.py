@@ -1,0 +1,197 @@
+"""Continuous batching: which requests run in the next step, and what their results mean.
+
+A step is either PREFILL (ragged prompt chunks within a token budget; new requests are
+admitted here, running ones keep decoding in the steps between) or VERIFY (every decoding
+request feeds `bundle` tokens: uniform, so graph-shaped). When KV blocks run out the most
+recently admitted request is preempted: its storage is freed and it is recomputed later from
+its prompt plus what it has generated. No request is dropped or truncated silently.
+"""
+
+import collections
+import dataclasses
+import enum
+
+from ..config import EngineConfig
+from .cache import BlockAllocator, SlotAllocator
+from .request import Request, Status
+
+
+class StepKind(enum.Enum):
+    PREFILL = "prefill"
+    VERIFY = "verify"
+
+
+@dataclasses.dataclass
+class StepPlan:
+    kind: StepKind
+    reqs: list[Request]
+    chunk_lens: list[int]            # PREFILL: tokens of each request in this step
+    num_reqs_padded: int             # VERIFY: graph size (== len(reqs) when eager)
+    bundle: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.reqs)
+
+
+@dataclasses.dataclass
+class ReqResult:
+    """What one step produced for one request."""
+
+    emitted: list[int]               # new tokens (empty for a non-final prefill chunk)
+    num_accepted: int                # VERIFY: tokens of the bundle accepted (>= 1)
+    drafted: int                     # VERIFY: drafts that could have been accepted
+    drafts: list[int]                # proposals for the next verify step
+
+
+class Scheduler:
+    def __init__(self, ecfg: EngineConfig, blocks: BlockAllocator, slots: SlotAllocator,
+                 dispatch=None):
+        self.cfg, self.blocks, self.slots = ecfg, blocks, slots
+        self.dispatch = dispatch or (lambda n: n)   # num_reqs -> num_reqs_padded
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._last = StepKind.VERIFY
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling -----------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        decoding = [r for r in self.running if not r.in_prefill]
+        wants_prefill = any(r.in_prefill for r in self.running) or (
+            self.waiting and len(self.running) < self.cfg.max_num_seqs)
+        # Alternate, so decoding requests keep moving while prompts are admitted.
+        if wants_prefill and (not decoding or self._last == StepKind.VERIFY):
+            plan = self._schedule_prefill()
+            if plan is not None:
+                self._last = StepKind.PREFILL
+                return plan
+        decoding = [r for r in self.running if not r.in_prefill]
+        if decoding:
+            plan = self._schedule_verify(decoding)
+            if plan is not None:
+                self._last = StepKind.VERIFY
+                return plan
+        if self.running or self.waiting:
+            plan = self._schedule_prefill()
+            if plan is not None:
+                self._last = StepKind.PREFILL
+                return plan
+            raise RuntimeError("scheduler made no progress: the KV pool cannot hold any waiting request "
+                               "(this is a bug: requests that can never fit are refused when added)")
+        return None
+
+    def _blocks_for(self, positions: int) -> int:
+        return -(-min(positions, self.cfg.max_positions) // self.cfg.block_size)
+
+    def _ensure_blocks(self, r: Request, positions: int) -> bool:
+        need = self._blocks_for(positions) - len(r.block_ids)
+        if need <= 0:
+            return True
+        got = self.blocks.allocate(need)
+        if got is None:
+            return False
+        r.block_ids.extend(got)
+        return True
+
+    def _schedule_prefill(self) -> StepPlan | None:
+        budget, reqs, lens = self.cfg.max_num_batched_tokens, [], []
+        k = self.cfg.num_spec
+        for r in [r for r in self.running if r.in_prefill]:
+            n = min(r.prefill_target - r.num_computed, budget)
+            if n <= 0:
+                break
+            extra = k if r.num_computed + n == r.prefill_target else 0
+            if not self._ensure_blocks(r, r.num_computed + n + extra):
+                break
+            reqs.append(r), lens.append(n)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            r = self.waiting[0]
+            slots = self.slots.allocate()
+            if slots is None:
+                break
+            target = r.num_tokens
+            n = min(target, budget)
+            extra = k if n == target else 0
+            if not self._ensure_blocks(r, n + extra):
+                self.slots.free(slots)
+                break
+            self.waiting.popleft()
+            r.status, r.state_slots = Status.RUNNING, slots
+            r.num_computed, r.prefill_target, r.num_accepted, r.drafts = 0, target, 1, []
+            self.running.append(r)
+            reqs.append(r), lens.append(n)
+            budget -= n
+        if not reqs:
+            return None
+        return StepPlan(StepKind.PREFILL, reqs, lens, len(reqs), self.cfg.bundle)
+
+    def _schedule_verify(self, decoding: list[Request]) -> StepPlan | None:
+        k, scheduled = self.cfg.num_spec, []
+        for r in decoding:
+            if r.status != Status.RUNNING:
+                continue  # preempted below while making room for an older request
+            while not self._ensure_blocks(r, r.num_computed + 1 + 2 * k):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is r:
+                    break
+            if r.status == Status.RUNNING:
+                scheduled.append(r)
+        if not scheduled:
+            return None
+        return StepPlan(StepKind.VERIFY, scheduled, [], self.dispatch(len(scheduled)), self.cfg.bundle)
+
+    def _preempt(self, r: Request) -> None:
+        self._release(r)
+        r.status, r.num_computed, r.prefill_target, r.drafts, r.num_accepted = Status.WAITING, 0, 0, [], 1
+        r.num_preemptions += 1
+        self.waiting.appendleft(r)
+
+    def _release(self, r: Request) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        if r.block_ids:
+            self.blocks.free(r.block_ids)
+        if r.state_slots:
+            self.slots.free(r.state_slots)
+        r.block_ids, r.state_slots = [], None
+
+    # ---- results --------------------------------------------------------------------
+    def update(self, plan: StepPlan, results: list[ReqResult]) -> list[Request]:
+        """Apply a step's results; returns the requests that finished."""
+        finished = []
+        for i, (r, res) in enumerate(zip(plan.reqs, results)):
+            if plan.kind == StepKind.PREFILL:
+                r.num_computed += plan.chunk_lens[i]
+                if r.in_prefill:
+                    continue
+                r.num_accepted = plan.bundle  # prefill leaves state as if the whole bundle was accepted
+            else:
+                r.num_computed += res.num_accepted
+                r.num_accepted = res.num_accepted
+                r.stats.record(res.drafted, res.num_accepted - 1)
+            r.drafts = res.drafts
+            if self._append(r, res.emitted):
+                finished.append(r)
+        return finished
+
+    def _append(self, r: Request, tokens: list[int]) -> bool:
+        p = r.params
+        for t in tokens:
+            r.output_token_ids.append(t)
+            if t in p.stop_token_ids or (not p.ignore_eos and t in r.eos_token_ids):
+                return self.finish(r, "stop")
+            if len(r.output_token_ids) >= p.max_tokens or r.num_tokens >= self.cfg.max_model_len:
+                return self.finish(r, "length")
+        return False
+
+    def finish(self, r: Request, reason: str) -> bool:
+        r.status, r.finish_reason = Status.FINISHED, reason
+        self._release(r)
+        return True

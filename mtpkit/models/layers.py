@@ -1,0 +1,182 @@
+"""Building blocks shared by the models: the linear-layer family, norms, RoPE, MLP and MoE.
+
+All linear layers go through `Linear` and its two parallel forms, so that tensor parallelism
+shards weights (and loads only its slices) in one place: `shard_dim` says which weight dim is
+split, `reduce` whether the output is all-reduced across the tensor-parallel group.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel import TP
+from ..shapes import Float, Int, Tensor, checked
+
+
+class Linear(nn.Module):
+    """y = x W^T, W [out, in]. Replicated: every rank holds all of W."""
+
+    shard_dim: int | None = None  # weight dim split across TP ranks (0: out, 1: in)
+
+    def __init__(self, in_features: int, out_features: int, tp: TP | None = None):
+        super().__init__()
+        self.tp = tp or TP.single()
+        self.full_shape = (out_features, in_features)
+        shape = list(self.full_shape)
+        if self.shard_dim is not None:
+            shape[self.shard_dim] = self.tp.split(shape[self.shard_dim], what=type(self).__name__)
+        self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
+
+    def load_full(self, full: Tensor) -> Tensor:
+        """This rank's part of a full checkpoint tensor."""
+        if self.shard_dim is None:
+            return full
+        return self.tp.shard(full, self.shard_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
+
+
+class ColumnParallelLinear(Linear):
+    """Output features split across ranks; output stays sharded (no communication)."""
+
+    shard_dim = 0
+
+
+class RowParallelLinear(Linear):
+    """Input features split across ranks; partial outputs are summed (one all-reduce)."""
+
+    shard_dim = 1
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight))
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm of Qwen3-Next: y = norm(x) * (1 + w), in fp32, cast back at the end."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float() if x.dtype != torch.float64 else x
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.to(y.dtype))).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """GDN output norm: rmsnorm(x) * w * silu(z), plain weight (initialised to 1)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: Tensor, z: Tensor) -> Tensor:
+        dtype = x.dtype
+        xf = x.float() if dtype != torch.float64 else x
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * y.to(dtype)
+        zf = z.float() if dtype != torch.float64 else z
+        return (y * F.silu(zf)).to(dtype)
+
+
+class PartialRoPE(nn.Module):
+    """rotate_half RoPE on the first rot_dim dims of each head; frequencies in fp32 as the
+    reference computes them, so logits match it."""
+
+    def __init__(self, head_dim: int, rot_dim: int, theta: float):
+        super().__init__()
+        self.rot_dim = rot_dim
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @checked
+    def forward(
+        self,
+        positions: Int[Tensor, "num_tokens"],
+        q: Float[Tensor, "num_tokens heads head_dim"],
+        k: Float[Tensor, "num_tokens kv_heads head_dim"],
+    ) -> tuple[Float[Tensor, "num_tokens heads head_dim"], Float[Tensor, "num_tokens kv_heads head_dim"]]:
+        freqs = positions[:, None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        r = self.rot_dim
+        x_rot, x_pass = x[..., :r], x[..., r:]
+        x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
+        rotated = torch.cat((-x2, x1), dim=-1)
+        return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP (dense layers and the shared expert)."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TP):
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(hidden, intermediate, tp)
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, tp)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """Router softmax over all experts in fp32, top-k, optional renormalisation; SwiGLU experts
+    with fused weights (w13 = [gate; up] per expert, as transformers fuses them on load); a
+    shared expert scaled by sigmoid(shared_expert_gate(x)). Output = routed + gated shared.
+
+    Tensor parallelism splits every expert's intermediate dim (w13 rows, w2 columns): one
+    all-reduce for routed + shared together."""
+
+    def __init__(self, hidden: int, num_experts: int, topk: int, intermediate: int,
+                 shared_intermediate: int, norm_topk: bool, tp: TP):
+        super().__init__()
+        self.tp, self.topk, self.norm_topk = tp, topk, norm_topk
+        self.gate = Linear(hidden, num_experts, tp)
+        inter = tp.split(intermediate, what="moe_intermediate_size")
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter), requires_grad=False)
+        self.shared_expert = MLP(hidden, shared_intermediate, tp) if shared_intermediate > 0 else None
+        self.shared_expert_gate = Linear(hidden, 1, tp) if shared_intermediate > 0 else None
+
+    @checked
+    def route(self, x: Float[Tensor, "num_tokens hidden"]) -> tuple[
+            Float[Tensor, "num_tokens topk"], Int[Tensor, "num_tokens topk"]]:
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.topk, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    @checked
+    def forward(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens hidden"]:
+        weights, experts = self.route(x)
+        out = torch.zeros_like(x)
+        # Loop over the experts actually hit: cheap for decode-sized batches, exact per token.
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        token_of = order // self.topk
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            idx = order[start:start + n]
+            tok = token_of[start:start + n]
+            start += n
+            gate_up = F.linear(x[tok], self.w13[e])
+            g, u = gate_up.chunk(2, dim=-1)
+            y = F.linear(F.silu(g) * u, self.w2[e]) * weights.flatten()[idx, None]
+            out.index_add_(0, tok, y)
+        if self.shared_expert is not None:
+            # Partial (un-reduced) shared output: summed with the routed part in one all-reduce.
+            s = self.shared_expert
+            shared = F.linear(F.silu(s.gate_proj(x)) * s.up_proj(x), s.down_proj.weight)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return self.tp.all_reduce(out)

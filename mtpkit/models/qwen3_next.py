@@ -1,0 +1,207 @@
+"""Qwen3-Next: Gated DeltaNet + gated full attention + sparse MoE, with its MTP module.
+
+Written against the attention backends (mtpkit.attn) and the cache storage passed in
+(mtpkit.engine.cache.CacheTensors): no layer owns a cache. Facts it matches are in
+shared/reference/qwen3_next.md; transformers 5.24 is the oracle for its logits.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attn.backend import AttnBackend
+from ..attn.metadata import PrefillMetadata, UniformMetadata
+from ..config import FULL, Qwen3NextConfig
+from ..engine.cache import CacheTensors
+from ..parallel import TP
+from ..shapes import Float, Int, Tensor, checked
+from .layers import (MLP, ColumnParallelLinear, GatedRMSNorm, Linear, PartialRoPE, RMSNorm,
+                     RowParallelLinear, SparseMoE)
+
+Metadata = PrefillMetadata | UniformMetadata
+
+
+class FullAttention(nn.Module):
+    """Gated attention: q_proj gives [q | gate] per head, q/k zero-centred norms, partial RoPE,
+    paged KV, output * sigmoid(gate) before o_proj."""
+
+    def __init__(self, cfg: Qwen3NextConfig, kv_index: int, tp: TP, ops: AttnBackend):
+        super().__init__()
+        self.kv_index, self.ops, self.hd = kv_index, ops, cfg.head_dim
+        self.heads = tp.split(cfg.num_attention_heads, what="num_attention_heads")
+        # KV heads are replicated when there are fewer than ranks (issue: tensor parallelism).
+        self.kv_heads = max(1, cfg.num_key_value_heads // tp.size)
+        self.q_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_attention_heads * self.hd * 2, tp)
+        self.k_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_key_value_heads * self.hd, tp)
+        self.v_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_key_value_heads * self.hd, tp)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.hd, cfg.hidden_size, tp)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.rope = PartialRoPE(self.hd, cfg.rot_dim, cfg.rope_theta)
+        self.scale = self.hd ** -0.5
+
+    def forward(self, x: Tensor, positions: Tensor, meta: Metadata, cache: CacheTensors) -> Tensor:
+        T = x.shape[0]
+        q, gate = self.q_proj(x).view(T, self.heads, 2 * self.hd).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(T, self.kv_heads, self.hd))
+        v = self.v_proj(x).view(T, self.kv_heads, self.hd)
+        q, k = self.rope(positions, q, k)
+        k_cache, v_cache = cache.kv[self.kv_index]
+        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if isinstance(meta, PrefillMetadata):
+            o = self.ops.paged_attention_prefill(q, k_cache, v_cache, meta.query_start_loc,
+                                                 meta.seq_lens, meta.block_table, self.scale)
+        else:
+            R, B = meta.num_reqs_padded, meta.bundle
+            o = self.ops.paged_attention_verify(q.view(R, B, self.heads, self.hd), k_cache, v_cache,
+                                                meta.seq_lens, meta.block_table, self.scale)
+        o = o.reshape(T, self.heads * self.hd) * torch.sigmoid(gate.reshape(T, -1))
+        return self.o_proj(o)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention: projections interleaved per key-head group, causal conv + SiLU, gated
+    delta rule over fp32 state, gated RMSNorm with z, out_proj."""
+
+    def __init__(self, cfg: Qwen3NextConfig, state_index: int, tp: TP, ops: AttnBackend):
+        super().__init__()
+        self.state_index, self.ops = state_index, ops
+        self.hk = tp.split(cfg.linear_num_key_heads, what="linear_num_key_heads")
+        self.hv = tp.split(cfg.linear_num_value_heads, what="linear_num_value_heads")
+        self.dk, self.dv, self.W = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+        self.r = self.hv // self.hk
+        H = cfg.hidden_size
+        # Whole key-head groups are contiguous in both projections, so column sharding is plain.
+        self.in_proj_qkvz = ColumnParallelLinear(H, 2 * cfg.key_dim + 2 * cfg.value_dim, tp)
+        self.in_proj_ba = ColumnParallelLinear(H, 2 * cfg.linear_num_value_heads, tp)
+        conv_dim = 2 * self.hk * self.dk + self.hv * self.dv
+        self.conv_weight = nn.Parameter(torch.empty(conv_dim, self.W), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.hv), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = RowParallelLinear(cfg.value_dim, H, tp)
+
+    def forward(self, x: Tensor, meta: Metadata, cache: CacheTensors) -> Tensor:
+        T, hk, hv, dk, dv, r = x.shape[0], self.hk, self.hv, self.dk, self.dv, self.r
+        q, k, v, z = self.in_proj_qkvz(x).view(T, hk, 2 * dk + 2 * r * dv).split([dk, dk, r * dv, r * dv], -1)
+        b, a = self.in_proj_ba(x).view(T, hk, 2 * r).split([r, r], -1)
+        b, a = b.reshape(T, hv), a.reshape(T, hv)
+        mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+        conv_state, ssm_state = cache.conv[self.state_index], cache.ssm[self.state_index]
+        if isinstance(meta, PrefillMetadata):
+            mixed = self.ops.causal_conv1d_prefill(mixed, self.conv_weight, conv_state, meta.query_start_loc,
+                                                   meta.conv_slots, meta.has_initial_state)
+        else:
+            R, B = meta.num_reqs_padded, meta.bundle
+            mixed = self.ops.causal_conv1d_verify(mixed.view(R, B, -1), self.conv_weight, conv_state,
+                                                  meta.state_slots[:, 0], meta.num_accepted).reshape(T, -1)
+        q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        q, k, v = q.view(T, hk, dk), k.view(T, hk, dk), v.view(T, hv, dv)
+        if isinstance(meta, PrefillMetadata):
+            o = self.ops.gated_delta_rule_prefill(q, k, v, a, b, self.A_log, self.dt_bias, ssm_state,
+                                                  meta.query_start_loc, meta.ssm_slots, meta.ssm_slots,
+                                                  meta.has_initial_state)
+        else:
+            R, B = meta.num_reqs_padded, meta.bundle
+            o = self.ops.gated_delta_rule_verify(
+                q.view(R, B, hk, dk), k.view(R, B, hk, dk), v.view(R, B, hv, dv), a.view(R, B, hv),
+                b.view(R, B, hv), self.A_log, self.dt_bias, ssm_state, meta.state_slots, meta.num_accepted)
+        o = self.norm(o.reshape(T * hv, dv), z.reshape(T * hv, dv)).view(T, hv * dv)
+        return self.out_proj(o)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3NextConfig, kind: str, moe: bool, cache_index: int, tp: TP,
+                 ops: AttnBackend):
+        super().__init__()
+        self.kind = kind
+        if kind == FULL:
+            self.self_attn = FullAttention(cfg, cache_index, tp, ops)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, cache_index, tp, ops)
+        if moe:
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                 cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size,
+                                 cfg.norm_topk_prob, tp)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, positions: Tensor, meta: Metadata, cache: CacheTensors) -> Tensor:
+        h = self.input_layernorm(x)
+        if self.kind == FULL:
+            h = self.self_attn(h, positions, meta, cache)
+        else:
+            h = self.linear_attn(h, meta, cache)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MTPModule(nn.Module):
+    """The `mtp.*` module: x = fc([norm_e(embed(token_{p+1})), norm_h(h_p)]) -> one full-attention
+    MoE decoder layer (own paged KV, same positions as the target) -> mtp.norm. Its output is
+    both the hidden state for the next draft pass and the input of the shared lm_head."""
+
+    def __init__(self, cfg: Qwen3NextConfig, first_kv_index: int, tp: TP, ops: AttnBackend):
+        super().__init__()
+        H = cfg.hidden_size
+        self.pre_fc_norm_embedding = RMSNorm(H, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(H, cfg.rms_norm_eps)
+        self.fc = Linear(2 * H, H, tp)
+        self.layers = nn.ModuleList([
+            DecoderLayer(cfg, FULL, cfg.num_experts > 0, first_kv_index + i, tp, ops)
+            for i in range(cfg.num_nextn_predict_layers)])
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+
+    def forward(self, embeds: Tensor, hidden: Tensor, positions: Tensor, meta: Metadata,
+                cache: CacheTensors, step: int) -> Tensor:
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1))
+        # num_spec may exceed the layer count: the layers are reused in turn.
+        x = self.layers[step % len(self.layers)](x, positions, meta, cache)
+        return self.norm(x)
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    def __init__(self, cfg: Qwen3NextConfig, ops: AttnBackend, tp: TP | None = None, with_mtp: bool = False):
+        super().__init__()
+        tp = tp or TP.single()
+        self.cfg, self.tp = cfg, tp
+        H, V = cfg.hidden_size, cfg.vocab_size
+        self.embed_tokens = nn.Parameter(torch.empty(V, H), requires_grad=False)
+        layers, n_full, n_lin = [], 0, 0
+        for i, kind in enumerate(cfg.layer_types):
+            idx = n_full if kind == FULL else n_lin
+            n_full, n_lin = n_full + (kind == FULL), n_lin + (kind != FULL)
+            layers.append(DecoderLayer(cfg, kind, cfg.is_moe_layer(i), idx, tp, ops))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(V, H), requires_grad=False)
+        self.mtp = MTPModule(cfg, n_full, tp, ops) if with_mtp else None
+        self.num_kv_layers = n_full + (cfg.num_nextn_predict_layers if with_mtp else 0)
+
+    def embed(self, token_ids: Tensor) -> Tensor:
+        return F.embedding(token_ids, self.embed_tokens)
+
+    @checked
+    def forward(self, token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
+                meta: Metadata, cache: CacheTensors) -> Float[Tensor, "num_tokens hidden"]:
+        """Final (post-norm) hidden states of every token; writes KV and GDN state."""
+        x = self.embed(token_ids)
+        for layer in self.layers:
+            x = layer(x, positions, meta, cache)
+        return self.norm(x)
+
+    @checked
+    def mtp_forward(self, token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
+                    hidden: Float[Tensor, "num_tokens hidden"], meta: Metadata, cache: CacheTensors,
+                    step: int = 0) -> Float[Tensor, "num_tokens hidden"]:
+        """MTP pass: token_ids[i] is the token AFTER position positions[i]; hidden[i] the
+        target's (or previous pass's) final hidden state at positions[i]."""
+        return self.mtp(self.embed(token_ids), hidden, positions, meta, cache, step)
+
+    @checked
+    def compute_logits(self, hidden: Float[Tensor, "num_logits hidden"]) -> Float[Tensor, "num_logits vocab"]:
+        w = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, w)
