@@ -104,7 +104,8 @@ class LLM:
         self.slots = SlotAllocator(num_state_slots, bundle)
         dispatch = None if enforce_eager else self.capture_plan.dispatch
         self.scheduler = Scheduler(ecfg, self.blocks, self.slots, dispatch)
-        self.runner = ModelRunner(self.model, self.cache, ecfg, self.device)
+        self.runner = ModelRunner(self.model, self.cache, ecfg, self.device,
+                                  None if enforce_eager else self.capture_plan)
         self.tokenizer = _load_tokenizer(path)
         self.eos_token_ids = _eos_ids(path, cfg)
         self.seed = seed

@@ -47,6 +47,12 @@ def register_backend(name: str, factory: Callable[[], AttnBackend]) -> None:
 
 def select_backend(device: torch.device, override: str | None = None) -> AttnBackend:
     name = override or os.environ.get("MTPKIT_ATTN_BACKEND") or None
+    if "triton" not in _REGISTRY and (name == "triton" or (name is None and device.type == "cuda")):
+        try:  # registers itself; imported lazily so that CPU runs never import Triton
+            from . import triton_backend  # noqa: F401
+        except ImportError as e:
+            if name == "triton":
+                raise ConfigError(f"attention backend 'triton' cannot be imported: {e}") from e
     if name is None:
         name = "triton" if device.type == "cuda" and "triton" in _REGISTRY else "torch"
     if name not in _REGISTRY:

@@ -163,18 +163,41 @@ def gated_delta_rule_prefill(
     # A request without initial state may carry any read slot: it is never dereferenced.
     init = ssm_state[torch.where(has_init, read_slots.long(), 0)].to(cd)
     init = torch.where(has_init[:, None, None, None], init, 0)
-    out = vc.new_empty(vc.shape)
-    finals = []
     bounds = query_start_loc.tolist()
-    for i in range(len(bounds) - 1):
-        sl = slice(bounds[i], bounds[i + 1])
-        o_i, s_i = gdn_chunked_core(qp[sl], kp[sl], vc[sl], g[sl], beta[sl], init[i],
-                                    chunk_size=chunk_size)
-        out[sl] = o_i
-        finals.append(s_i)
-    if finals:
-        ssm_state[write_slots.long()] = torch.stack(finals).to(ssm_state.dtype)
+    lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    R, T = len(lens), max(lens, default=0)
+    if R > 1 and R * T <= 2 * sum(lens):
+        out, finals = _prefill_padded(qp, kp, vc, g, beta, init, bounds, T, chunk_size)
+    else:  # one request, or lengths too uneven for padding to pay
+        out, finals = vc.new_empty(vc.shape), []
+        for i in range(R):
+            sl = slice(bounds[i], bounds[i + 1])
+            out[sl], s_i = gdn_chunked_core(qp[sl], kp[sl], vc[sl], g[sl], beta[sl], init[i],
+                                            chunk_size=chunk_size)
+            finals.append(s_i)
+        finals = torch.stack(finals) if finals else None
+    if finals is not None:
+        ssm_state[write_slots.long()] = finals.to(ssm_state.dtype)
     return out.to(v.dtype)
+
+
+def _prefill_padded(q, k, v, g, beta, init, bounds, T, chunk_size):
+    """All requests in one chunked pass: pad each to T tokens at the END with g = 0 (no
+    decay) and beta = 0 (no write), which leaves the state exactly unchanged, and fold the
+    request dim into the head dim (the recurrence is independent per head)."""
+    R, H = len(bounds) - 1, q.shape[1]
+
+    def pad(x):  # [num_tokens, H, ...] -> [T, R*H, ...]
+        out = x.new_zeros((R, T) + tuple(x.shape[1:]))
+        for i in range(R):
+            out[i, : bounds[i + 1] - bounds[i]] = x[bounds[i]:bounds[i + 1]]
+        return out.transpose(0, 1).reshape((T, R * H) + tuple(x.shape[2:]))
+
+    o, state = gdn_chunked_core(pad(q), pad(k), pad(v), pad(g), pad(beta),
+                                init.reshape((R * H,) + tuple(init.shape[2:])), chunk_size=chunk_size)
+    o = o.reshape(T, R, H, -1).transpose(0, 1)
+    out = torch.cat([o[i, : bounds[i + 1] - bounds[i]] for i in range(R)])
+    return out, state.reshape((R, H) + tuple(state.shape[1:]))
 
 
 @checked

@@ -23,13 +23,18 @@ class SpecStats:
     num_drafted: int = 0
     num_accepted: int = 0
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    # Drafts that could be accepted at each position (fewer than verify steps near
+    # max_tokens / max_model_len, where a request drafts only what fits).
+    drafted_per_position: list[int] = dataclasses.field(default_factory=list)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.verify_steps += 1
         self.num_drafted += drafted
         self.num_accepted += accepted
-        if len(self.accepted_per_position) < self.num_spec:
-            self.accepted_per_position += [0] * (self.num_spec - len(self.accepted_per_position))
+        for counts in (self.accepted_per_position, self.drafted_per_position):
+            counts += [0] * (self.num_spec - len(counts))
+        for j in range(drafted):
+            self.drafted_per_position[j] += 1
         for j in range(accepted):
             self.accepted_per_position[j] += 1
 
@@ -38,10 +43,10 @@ class SpecStats:
         self.verify_steps += other.verify_steps
         self.num_drafted += other.num_drafted
         self.num_accepted += other.num_accepted
-        n = max(len(self.accepted_per_position), len(other.accepted_per_position))
-        a = self.accepted_per_position + [0] * (n - len(self.accepted_per_position))
-        b = other.accepted_per_position + [0] * (n - len(other.accepted_per_position))
-        self.accepted_per_position = [x + y for x, y in zip(a, b)]
+        for name in ("accepted_per_position", "drafted_per_position"):
+            a, b = getattr(self, name), getattr(other, name)
+            n = max(len(a), len(b))
+            setattr(self, name, [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))])
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -50,10 +55,10 @@ class SpecStats:
 
     @property
     def acceptance_rate_per_position(self) -> list[float]:
-        """Fraction of verify steps that accepted the draft at position j (0-based)."""
-        if not self.verify_steps:
-            return [0.0] * self.num_spec
-        return [n / self.verify_steps for n in self.accepted_per_position]
+        """Of the drafts made at position j (0-based), the fraction accepted."""
+        acc = self.accepted_per_position + [0] * (self.num_spec - len(self.accepted_per_position))
+        dra = self.drafted_per_position + [0] * (self.num_spec - len(self.drafted_per_position))
+        return [a / d if d else 0.0 for a, d in zip(acc, dra)]
 
     @property
     def acceptance_rate(self) -> float:

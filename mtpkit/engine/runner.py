@@ -9,6 +9,8 @@ import torch
 from ..attn.metadata import PrefillChunk, UniformRow, build_prefill, build_uniform
 from ..config import EngineConfig
 from ..models.qwen3_next import Qwen3NextForCausalLM
+from ..graphs.plan import CapturePlan
+from ..graphs.runner import GraphRunner
 from ..spec.mtp import MTPProposer
 from ..spec.rejection import rejection_sample
 from ..spec.sampling import SamplingTensors
@@ -19,9 +21,14 @@ from .scheduler import ReqResult, StepKind, StepPlan
 
 class ModelRunner:
     def __init__(self, model: Qwen3NextForCausalLM, cache: CacheTensors, ecfg: EngineConfig,
-                 device: torch.device):
+                 device: torch.device, plan: CapturePlan | None = None):
+        """`plan` None: every step eager. Otherwise verify steps run through the graph runner."""
         self.model, self.cache, self.cfg, self.device = model, cache, ecfg, device
-        self.proposer = MTPProposer(model, ecfg, device) if ecfg.num_spec > 0 else None
+        self.proposer = MTPProposer(model, ecfg.num_spec, ecfg.block_size) if ecfg.num_spec > 0 else None
+        self.graphs = None
+        if plan is not None:
+            self.graphs = GraphRunner(model, cache, ecfg, plan, self.proposer, device)
+            self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[ReqResult]:
@@ -70,7 +77,7 @@ class ModelRunner:
             if done:
                 last = meta.logits_indices[done]
                 drafts = self.proposer.propose(hidden, next_tokens, positions, meta, self.cache, last,
-                                               [reqs[i].block_ids for i in done], len(done))
+                                               meta.block_table[done])
                 for i, d in zip(done, drafts.tolist()):
                     results[i].drafts = d
             else:  # fill the MTP layer's KV for these positions; no drafts yet
@@ -78,19 +85,19 @@ class ModelRunner:
         return results
 
     # ---- verify -----------------------------------------------------------------------
-    def uniform_forward(self, rows: list[UniformRow], num_reqs_padded: int):
-        token_ids, positions, meta = build_uniform(rows, num_reqs_padded, self.cfg.block_size,
-                                                   self.cfg.max_blocks, self.device)
-        return self.model(token_ids, positions, meta, self.cache), positions, meta
-
     def _verify(self, plan: StepPlan) -> list[ReqResult]:
         reqs, R, B, k = plan.reqs, plan.num_reqs, plan.bundle, plan.bundle - 1
+        n = plan.num_reqs_padded
         rows = [UniformRow([r.all_token_ids[-1]] + r.drafts, r.num_computed, r.block_ids,
                            r.state_slots, r.num_accepted) for r in reqs]
-        hidden, positions, meta = self.uniform_forward(rows, plan.num_reqs_padded)
-        H = hidden.shape[-1]
-        logits = self.model.compute_logits(hidden.view(plan.num_reqs_padded, B, H)[:R].reshape(R * B, H))
-        logits = logits.view(R, B, -1)
+        if self.graphs is not None:
+            hidden, logits, positions = self.graphs.verify(rows, n)
+        else:
+            token_ids, positions, meta = build_uniform(rows, n, self.cfg.block_size, self.cfg.max_blocks,
+                                                       self.device)
+            hidden = self.model(token_ids, positions, meta, self.cache)
+            logits = self.model.compute_logits(hidden)
+        logits = logits.view(n, B, -1)[:R]
         drafts = torch.tensor([r.drafts for r in reqs], dtype=torch.int64, device=self.device).view(R, k)
         limit_list = [min(k, max(r.remaining(self.cfg.max_model_len) - 1, 0)) for r in reqs]
         limit = torch.tensor(limit_list, dtype=torch.int64, device=self.device)
@@ -99,11 +106,19 @@ class ModelRunner:
         n_list, tok_list = n_emit.tolist(), tokens.tolist()
         new_drafts = [[] for _ in reqs]
         if self.proposer is not None:
-            nxt = torch.zeros(plan.num_reqs_padded, B, dtype=torch.int64, device=self.device)
-            nxt[:R, :k] = drafts                      # the token after position j is d_{j+1} ...
+            # The token after position j is d_{j+1}; after the accepted ones, what was emitted.
+            nxt = torch.zeros(n, B, dtype=torch.int64, device=self.device)
+            nxt[:R, :k] = drafts
             keep = torch.arange(B, device=self.device)[None, :] < n_emit[:, None]
-            nxt[:R] = torch.where(keep, tokens, nxt[:R])  # ... and after the accepted ones, what was emitted
-            last = torch.arange(R, device=self.device) * B + (n_emit - 1)
-            new_drafts = self.proposer.propose(hidden, nxt.view(-1), positions, meta, self.cache, last,
-                                               [r.block_ids for r in reqs], plan.num_reqs_padded).tolist()
+            nxt[:R] = torch.where(keep, tokens, nxt[:R])
+            # Padded rows "accepted" their first token: they draft from null storage.
+            accepted = torch.ones(n, dtype=torch.int64, device=self.device)
+            accepted[:R] = n_emit
+            last = torch.arange(n, device=self.device) * B + accepted - 1
+            if self.graphs is not None:
+                drafts_out = self.graphs.propose(nxt.view(-1), last)
+            else:
+                drafts_out = self.proposer.propose(hidden, nxt.view(-1), positions, meta, self.cache, last,
+                                                   meta.block_table)
+            new_drafts = drafts_out[:R].tolist()
         return [ReqResult(tok_list[i][:n_list[i]], n_list[i], limit_list[i], new_drafts[i]) for i in range(R)]

@@ -5,20 +5,43 @@ verify bundle), with the token AFTER each position and the target's final hidden
 so the MTP layer's own KV has an entry for every position of the sequence. Draft 1 is read at
 each request's last accepted position. Passes 2..num_spec feed one token per request: the
 previous draft and the MTP's own output hidden state, one position further each time.
+
+Everything after pass 1 is computed on the device from tensors (no host round trip), so the
+whole proposal can be captured in a CUDA graph.
 """
 
 import torch
 
-from ..attn.metadata import PrefillMetadata, UniformMetadata, UniformRow, build_uniform
-from ..config import EngineConfig
+from ..attn.metadata import PrefillMetadata, UniformMetadata
 from ..engine.cache import CacheTensors
 from ..models.qwen3_next import Qwen3NextForCausalLM
 from ..shapes import Float, Int, Tensor, checked
 
 
+@checked
+def draft_pass_metadata(
+    block_table: Int[Tensor, "num_reqs_padded max_blocks"],
+    positions: Int[Tensor, "num_reqs_padded"],
+    block_size: int,
+    max_seq_len: int,
+) -> UniformMetadata:
+    """Metadata of an MTP draft pass: one token per row at `positions` (built on the device).
+    Padded rows sit at position 0 of the null block."""
+    R = positions.shape[0]
+    blocks = block_table.gather(1, (positions // block_size)[:, None])[:, 0]
+    return UniformMetadata(
+        seq_lens=positions + 1,
+        block_table=block_table,
+        slot_mapping=blocks * block_size + positions % block_size,
+        state_slots=torch.zeros(R, 1, dtype=torch.int64, device=positions.device),
+        num_accepted=torch.ones(R, dtype=torch.int64, device=positions.device),
+        num_reqs=R, num_reqs_padded=R, bundle=1, max_seq_len=max_seq_len,
+    )
+
+
 class MTPProposer:
-    def __init__(self, model: Qwen3NextForCausalLM, ecfg: EngineConfig, device: torch.device):
-        self.model, self.cfg, self.device = model, ecfg, device
+    def __init__(self, model: Qwen3NextForCausalLM, num_spec: int, block_size: int):
+        self.model, self.num_spec, self.block_size = model, num_spec, block_size
 
     @checked
     def propose(
@@ -28,27 +51,19 @@ class MTPProposer:
         positions: Int[Tensor, "num_tokens"],
         meta: PrefillMetadata | UniformMetadata,
         cache: CacheTensors,
-        last_idx: Int[Tensor, "num_reqs"],
-        block_ids: list[list[int]],
-        num_reqs_padded: int,
-    ) -> Int[Tensor, "num_reqs num_spec"]:
-        """Drafts for the requests whose last accepted token sits at hidden[last_idx[i]].
-        `block_ids[i]` is that request's block table (for the later passes), and
-        `num_reqs_padded` the row count those passes are padded to."""
-        model, k = self.model, self.cfg.num_spec
-        h = model.mtp_forward(next_tokens, positions, hidden, meta, cache, step=0)
-        h = h[last_idx]                                               # [num_reqs, hidden]
+        last_idx: Int[Tensor, "num_reqs_padded"],
+        block_table: Int[Tensor, "num_reqs_padded max_blocks"],
+    ) -> Int[Tensor, "num_reqs_padded num_spec"]:
+        """Drafts for the rows whose last accepted token sits at hidden[last_idx[i]];
+        `block_table[i]` is that row's block table (for the later passes)."""
+        model, k = self.model, self.num_spec
+        h = model.mtp_forward(next_tokens, positions, hidden, meta, cache, step=0)[last_idx]
         draft = model.compute_logits(h).argmax(-1)
         drafts = [draft]
-        pos = positions[last_idx].tolist()
+        pos = positions[last_idx]
         for j in range(1, k):
-            rows = [UniformRow([t], p + j, b, [0], 1)
-                    for t, p, b in zip(draft.tolist(), pos, block_ids)]
-            tok, p_j, meta_j = build_uniform(rows, num_reqs_padded, self.cfg.block_size,
-                                             self.cfg.max_blocks, self.device)
-            n = len(rows)
-            h_in = torch.cat([h, h.new_zeros(num_reqs_padded - n, h.shape[1])])
-            h = model.mtp_forward(tok, p_j, h_in, meta_j, cache, step=j)[:n]
+            meta_j = draft_pass_metadata(block_table, pos + j, self.block_size, meta.max_seq_len + k)
+            h = model.mtp_forward(draft, pos + j, h, meta_j, cache, step=j)
             draft = model.compute_logits(h).argmax(-1)
             drafts.append(draft)
         return torch.stack(drafts, dim=1)

@@ -17,6 +17,18 @@ from .sampling import SamplingTensors, sample_rows, target_probs
 
 
 @checked
+def recovered_distribution(
+    p: Float[Tensor, "num_reqs vocab"], draft: Int[Tensor, "num_reqs"]
+) -> Float[Tensor, "num_reqs vocab"]:
+    """normalise(max(p - q, 0)) for a one-hot q on the rejected draft: p without the draft.
+    (Where p put all its mass on the draft the draft was never rejected; p is kept there.)"""
+    residual = p.clone()
+    residual[torch.arange(p.shape[0], device=p.device), draft] = 0.0
+    mass = residual.sum(-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
+
+
+@checked
 def rejection_sample(
     logits: Float[Tensor, "num_reqs bundle vocab"],
     drafts: Int[Tensor, "num_reqs bundle-1"],
@@ -53,11 +65,7 @@ def rejection_sample(
     rejected = n_acc < draft_limit.clamp(max=k)                        # stopped by a rejection, not the limit
     if k:
         d = drafts.gather(-1, n_acc.clamp(max=k - 1)[:, None])[:, 0]
-        residual = final_p.clone()
-        residual[rows, d] = 0.0                                        # max(p - onehot(d), 0)
-        mass = residual.sum(-1, keepdim=True)
-        residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), final_p)
-        final_p = torch.where(rejected[:, None], residual, final_p)
+        final_p = torch.where(rejected[:, None], recovered_distribution(final_p, d), final_p)
     final = torch.where(greedy, target[rows, n_acc], 0)
     if bool((~greedy).any()):
         idx = (~greedy).nonzero()[:, 0]

@@ -1,0 +1,150 @@
+"""Quality of the embedded tiny model on the held-out split of its corpus (mtpkit.train).
+
+1. Teacher-forced, over fixed windows of the held-out stream: next-token loss (bits per byte)
+   and accuracy; MTP pass-1 loss and accuracy (argmax of the MTP head at position t == the
+   actual token t+2, the "position-1 acceptance"); and its agreement with the target's own
+   greedy choice at t+1 (what greedy speculation actually needs).
+2. Speculation, by running the engine: mtpkit.LLM greedy generation of `--new-tokens` tokens
+   for `--prompts` held-out prompts of `--prompt-len` tokens, for num_spec 1..4, reading
+   llm.stats.mean_acceptance_length; every run's tokens are compared with num_spec 0.
+
+    python benchmarks/eval_tiny.py                      # the embedded model
+    python benchmarks/eval_tiny.py --model DIR --json results.json
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import mtpkit
+from mtpkit.attn.backend import TORCH
+from mtpkit.config import Qwen3NextConfig
+from mtpkit.models.loader import load_checkpoint
+from mtpkit.models.qwen3_next import Qwen3NextForCausalLM
+from mtpkit.models.registry import resolve_model
+from mtpkit.train import fresh_cache, heldout_documents, load_split, prefill_step
+
+
+def load_model(path: Path) -> Qwen3NextForCausalLM:
+    model = Qwen3NextForCausalLM(Qwen3NextConfig.from_file(path), ops=TORCH, with_mtp=True)
+    load_checkpoint(model, path, torch.float32, torch.device("cpu"))
+    return model.eval()
+
+
+def heldout_windows(num: int, T: int) -> torch.Tensor:
+    """`num` windows of T + 2 tokens at evenly spaced offsets of the held-out stream."""
+    data = load_split("heldout")
+    starts = torch.linspace(0, data.numel() - (T + 2), num).long().tolist()
+    return torch.stack([data[s:s + T + 2] for s in starts]).long()
+
+
+@torch.inference_mode()
+def teacher_forced(model: Qwen3NextForCausalLM, windows: torch.Tensor, batch: int = 8) -> dict:
+    n = n_agree = 0
+    sums = dict.fromkeys(["ntp_nats", "ntp_correct", "mtp1_nats", "mtp1_correct"], 0.0)
+    agree = 0
+    for i in range(0, windows.shape[0], batch):
+        w = windows[i:i + batch]
+        B, T = w.shape[0], w.shape[1] - 2
+        token_ids, positions, meta = prefill_step(B, T, w[:, :T])
+        cache = fresh_cache(model, B, T)
+        hidden = model(token_ids, positions, meta, cache)
+        t1, t2 = w[:, 1:T + 1].reshape(-1), w[:, 2:T + 2].reshape(-1)
+        logits = model.compute_logits(hidden)
+        mlogits = model.compute_logits(model.mtp_forward(t1, positions, hidden, meta, cache, step=0))
+        sums["ntp_nats"] += F.cross_entropy(logits, t1, reduction="sum").item()
+        sums["ntp_correct"] += (logits.argmax(-1) == t1).sum().item()
+        sums["mtp1_nats"] += F.cross_entropy(mlogits, t2, reduction="sum").item()
+        sums["mtp1_correct"] += (mlogits.argmax(-1) == t2).sum().item()
+        # MTP at t vs the target's greedy token at t+1 (both predict token t+2).
+        g_next = logits.argmax(-1).view(B, T)[:, 1:]
+        agree += (mlogits.argmax(-1).view(B, T)[:, :-1] == g_next).sum().item()
+        n += t1.numel()
+        n_agree += g_next.numel()
+    ln2 = torch.log(torch.tensor(2.0)).item()
+    return {"tokens": n, "ntp_bits_per_byte": sums["ntp_nats"] / n / ln2, "ntp_accuracy": sums["ntp_correct"] / n,
+            "mtp1_bits_per_byte": sums["mtp1_nats"] / n / ln2, "mtp1_accuracy": sums["mtp1_correct"] / n,
+            "mtp1_agrees_with_target_greedy": agree / n_agree}
+
+
+def heldout_prompts(num: int, length: int) -> list[tuple[str, list[int]]]:
+    """`num` prompts of `length` tokens from evenly spaced held-out files (those long enough):
+    each starts at the first line start after a third of its file."""
+    docs = [(name, data) for name, data in heldout_documents() if len(data) >= 3 * length]
+    pick = [docs[int(i * len(docs) / num)] for i in range(num)]
+    prompts = []
+    for name, data in pick:
+        start = data.find(b"\n", len(data) // 3) + 1
+        prompts.append((name, list(data[start:start + length])))
+    return prompts
+
+
+def speculation(path: Path, prompts: list[list[int]], new_tokens: int, num_specs: list[int]) -> dict:
+    params = mtpkit.SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    out, reference = {}, None
+    for k in [0] + num_specs:
+        llm = mtpkit.LLM(path, dtype="float32", device="cpu", num_spec=k, max_num_seqs=len(prompts),
+                         max_model_len=max(len(p) for p in prompts) + new_tokens + 8, enforce_eager=True)
+        t = time.time()
+        res = llm.generate(prompts, params)
+        wall = time.time() - t
+        tokens = [r.token_ids for r in res]
+        if reference is None:
+            reference = tokens
+        same = sum(a == b for a, b in zip(tokens, reference))
+        s = llm.stats
+        out[k] = {"wall_s": wall, "tokens_per_s": sum(map(len, tokens)) / wall,
+                  "same_tokens_as_num_spec_0": f"{same}/{len(prompts)}"}
+        if k:
+            out[k].update(mean_acceptance_length=s.mean_acceptance_length,
+                          acceptance_rate_per_position=s.acceptance_rate_per_position,
+                          verify_steps=s.verify_steps)
+        print(f"num_spec {k}: " + ", ".join(f"{a} {v:.3f}" if isinstance(v, float) else f"{a} {v}"
+                                            for a, v in out[k].items() if a != "acceptance_rate_per_position")
+              + (f", per position {[round(r, 3) for r in s.acceptance_rate_per_position]}" if k else ""),
+              flush=True)
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny-qwen3-next", help="checkpoint dir or built-in name")
+    p.add_argument("--windows", type=int, default=64, help="teacher-forced windows")
+    p.add_argument("--window-len", type=int, default=512)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--num-spec", type=int, nargs="+", default=[1, 2, 3, 4])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--show", type=int, default=2, help="print this many generations")
+    p.add_argument("--json", help="write the results here")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    path = resolve_model(a.model)
+    results = {"model": str(path)}
+    if a.windows:
+        t = time.time()
+        tf = teacher_forced(load_model(path), heldout_windows(a.windows, a.window_len))
+        print("teacher-forced: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                             for k, v in tf.items()) + f" ({time.time() - t:.0f}s)", flush=True)
+        results["teacher_forced"] = tf
+    prompts = heldout_prompts(a.prompts, a.prompt_len)
+    results["prompts"] = [name for name, _ in prompts]
+    if a.prompts:
+        results["speculation"] = speculation(path, [ids for _, ids in prompts], a.new_tokens, a.num_spec)
+        llm = mtpkit.LLM(path, dtype="float32", device="cpu", num_spec=0, enforce_eager=True)
+        for name, ids in prompts[:a.show]:
+            text = llm.generate([ids], mtpkit.SamplingParams(max_tokens=a.new_tokens, ignore_eos=True))[0].text
+            print(f"--- {name}\n{bytes(ids).decode('utf-8', 'replace')}\033[1m{text}\033[0m", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)

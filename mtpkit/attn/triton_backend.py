@@ -1,0 +1,46 @@
+"""The "triton" attention backend: the Triton kernels of triton_gdn / triton_conv /
+triton_paged (flash-attn inside triton_paged where importable and applicable, fla-core's
+chunked kernel for GDN prefill where importable), with write_kv from the torch reference.
+
+Importing this module registers the backend; `select_backend` imports it lazily when
+"triton" is asked for or the device is CUDA. On CPU it runs only under the Triton
+interpreter (TRITON_INTERPRET=1 set before this module is imported), which is how the
+tests use it; the factory refuses otherwise, with a message naming the torch backend.
+"""
+
+import torch
+
+from ..errors import ConfigError
+from .backend import AttnBackend, register_backend
+from . import triton_conv, triton_gdn, triton_paged
+
+__all__ = ["TRITON", "make_triton_backend"]
+
+TRITON = AttnBackend(
+    name="triton",
+    write_kv=triton_paged.write_kv,
+    paged_attention_prefill=triton_paged.paged_attention_prefill,
+    paged_attention_verify=triton_paged.paged_attention_verify,
+    causal_conv1d_prefill=triton_conv.causal_conv1d_prefill,
+    causal_conv1d_verify=triton_conv.causal_conv1d_verify,
+    gated_delta_rule_prefill=triton_gdn.gated_delta_rule_prefill,
+    gated_delta_rule_verify=triton_gdn.gated_delta_rule_verify,
+)
+
+
+def _interpreted() -> bool:
+    # Decided when the kernel modules were imported (triton.jit reads TRITON_INTERPRET then).
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(triton_gdn._gdn_verify_kernel, InterpretedFunction)
+
+
+def make_triton_backend() -> AttnBackend:
+    if not torch.cuda.is_available() and not _interpreted():
+        raise ConfigError("attention backend 'triton' needs a CUDA device (or, for testing on CPU, "
+                          "TRITON_INTERPRET=1 set before mtpkit's Triton kernels are imported); "
+                          "use attn_backend='torch'")
+    return TRITON
+
+
+register_backend("triton", make_triton_backend)

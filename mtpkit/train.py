@@ -1,0 +1,657 @@
+"""Train the embedded default model (mtpkit/assets/tiny-qwen3-next) on a laptop CPU.
+
+A small Qwen3-Next model (Gated DeltaNet and gated full attention in the real 3:1 pattern, a
+sparse MoE with a shared expert in every layer) and its MTP head are trained jointly, with
+mtpkit's own model (`mtpkit.models.qwen3_next`, torch attention backend) and autograd:
+
+    loss = CE(next token) + sum_j mtp_weights[j] * CE(MTP pass j+1)  [+ router balance]
+
+MTP pass 1 at position t takes the target's final hidden state h_t and the embedding of
+token t+1 and predicts token t+2. With `mtp_depth` 2 a second, teacher-forced pass trains
+the recursive use the engine makes of the one MTP layer for drafts 2..num_spec: at position
+t it takes pass 1's output hidden at t-1 (and the embedding of token t+1) and predicts token
+t+2 again, three tokens after the hidden state it started from (see `forward_losses`).
+
+Corpus: the Python standard library of the running interpreter: every `*.py` file under
+`sysconfig.get_paths()["stdlib"]` except third-party `site-packages` / `dist-packages`
+folders, sorted by path relative to that directory (POSIX form). Held-out split: the file
+at 0-based index i of that list is held out when i % 20 == 0 (`HELDOUT_EVERY`), the rest
+train. A split is the concatenation of its files' raw bytes, each followed by <|endoftext|>.
+
+Tokenizer: byte level, token id = byte value (0..255), plus <|endoftext|> = 256, written as a
+`tokenizers` BPE model without merges and with byte-level pre-tokenizer/decoder: any UTF-8
+text encodes to exactly its bytes and decodes back unchanged.
+
+A training batch of B windows of T tokens is one prefill step of B requests with fresh, zeroed
+caches (the attention ops write them in place, which autograd records). Parameters are stored
+in the checkpoint in bfloat16 under the Hugging Face names (`hf_state_dict`), with config.json
+written by transformers' own Qwen3NextConfig so transformers loads the checkpoint too.
+
+Run it with `python examples/train_tiny.py` (see `main` for the options).
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .attn.backend import TORCH
+from .attn.metadata import PrefillChunk, build_prefill
+from .config import FULL, LINEAR, Qwen3NextConfig
+from .engine.cache import CacheTensors, allocate_cache
+from .models.layers import GatedRMSNorm, Linear, RMSNorm, SparseMoE
+from .models.qwen3_next import GatedDeltaNet, Qwen3NextForCausalLM
+
+EOS_TOKEN = "<|endoftext|>"
+EOS_ID = 256
+VOCAB_SIZE = 257
+HELDOUT_EVERY = 20
+DEFAULT_OUT = Path(__file__).resolve().parent / "assets" / "tiny-qwen3-next"
+
+# ---------------------------------------------------------------------------------------
+# Model sizes (Hugging Face Qwen3NextConfig kwargs)
+
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    intermediate_size=512,  # unused: every layer is MoE
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    max_position_embeddings=2048,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    eos_token_id=EOS_ID,
+    bos_token_id=None,
+    pad_token_id=None,
+    initializer_range=0.02,
+)
+
+SIZES: dict[str, dict] = {
+    # 4 layers (3 GDN + 1 full attention)
+    "l4-e64": dict(_COMMON, num_hidden_layers=4, layer_types=[LINEAR] * 3 + [FULL],
+                   moe_intermediate_size=64, shared_expert_intermediate_size=128),
+    "l4-e96": dict(_COMMON, num_hidden_layers=4, layer_types=[LINEAR] * 3 + [FULL],
+                   moe_intermediate_size=96, shared_expert_intermediate_size=192),
+    # 8 layers (the 3:1 pattern twice), narrower experts to stay near the size budget
+    "l8-e32": dict(_COMMON, num_hidden_layers=8, layer_types=([LINEAR] * 3 + [FULL]) * 2,
+                   moe_intermediate_size=32, shared_expert_intermediate_size=64),
+}
+DEFAULT_SIZE = "l4-e64"
+
+
+def hf_config(kwargs: dict, dtype: str = "bfloat16"):
+    """transformers' Qwen3NextConfig for these kwargs (what config.json is written from)."""
+    from transformers import Qwen3NextConfig as HFConfig
+    return HFConfig(**json.loads(json.dumps(kwargs)), dtype=dtype)
+
+
+def mtpkit_config(kwargs: dict) -> Qwen3NextConfig:
+    """mtpkit's config, read from the same dict config.json holds."""
+    return Qwen3NextConfig.from_dict(json.loads(hf_config(kwargs).to_json_string()), where="train.py")
+
+
+# ---------------------------------------------------------------------------------------
+# Corpus and tokenizer
+
+
+def stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def corpus_files(root: Path | None = None) -> list[Path]:
+    """Every *.py file of the standard library, sorted by relative POSIX path, without the
+    third-party site-packages / dist-packages folders that may sit inside it."""
+    root = root or stdlib_dir()
+    files = [p for p in root.rglob("*.py")
+             if p.is_file() and not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def split_files(files: list[Path]) -> tuple[list[Path], list[Path]]:
+    """(train, heldout): file i (0-based, in corpus_files order) is held out when i % 20 == 0."""
+    train = [f for i, f in enumerate(files) if i % HELDOUT_EVERY != 0]
+    heldout = [f for i, f in enumerate(files) if i % HELDOUT_EVERY == 0]
+    return train, heldout
+
+
+def encode_bytes(data: bytes) -> list[int]:
+    """The tokenizer's encoding of UTF-8 text, computed from its bytes (id = byte value)."""
+    return list(data)
+
+
+def load_split(split: str, root: Path | None = None) -> torch.Tensor:
+    """int16 token stream of a split: file bytes, each file followed by <|endoftext|>."""
+    train, heldout = split_files(corpus_files(root))
+    files = {"train": train, "heldout": heldout}[split]
+    data, ends = bytearray(), []
+    for f in files:
+        data += f.read_bytes()
+        ends.append(len(data))
+    out = torch.frombuffer(data, dtype=torch.uint8).to(torch.int16) if data else torch.zeros(0, dtype=torch.int16)
+    # Insert <|endoftext|> after every file: file k's bytes shift right by k.
+    ends_t = torch.tensor(ends, dtype=torch.int64)
+    eos_at = ends_t + torch.arange(len(ends))
+    stream = torch.full((len(data) + len(ends),), EOS_ID, dtype=torch.int16)
+    keep = torch.ones(stream.numel(), dtype=torch.bool)
+    keep[eos_at] = False
+    stream[keep] = out
+    return stream
+
+
+def heldout_documents(root: Path | None = None) -> list[tuple[str, bytes]]:
+    """(relative path, bytes) of every held-out file."""
+    root = root or stdlib_dir()
+    _, heldout = split_files(corpus_files(root))
+    return [(f.relative_to(root).as_posix(), f.read_bytes()) for f in heldout]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (what ByteLevel uses)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def build_tokenizer():
+    """Byte-level tokenizer: id = byte value, <|endoftext|> = 256, exact UTF-8 round trip."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    table = _bytes_to_unicode()
+    vocab = {table[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
+    assert tok.token_to_id(EOS_TOKEN) == EOS_ID and tok.get_vocab_size() == VOCAB_SIZE
+    return tok
+
+
+def check_tokenizer(tok, texts: list[str]) -> None:
+    """Every text must encode to its UTF-8 bytes and decode back unchanged."""
+    for t in texts:
+        ids = tok.encode(t).ids
+        if ids != list(t.encode("utf-8")):
+            raise AssertionError(f"tokenizer does not encode {t[:40]!r} to its bytes")
+        if tok.decode(ids) != t:
+            raise AssertionError(f"tokenizer does not round-trip {t[:40]!r}")
+
+
+def _tokenizer_probe_texts(seed: int = 0) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    texts = ["", " ", "  leading and trailing  ", "def f(x):\n\treturn x  # done\r\n",
+             "naïve café — ünïcödé ✓ 日本語 한국어 🐍🚀 \x00\x01\x7f", "\u200b\ufeff\U0010ffff"]
+    for n in (1, 7, 64, 300):  # random code points of every UTF-8 length (no surrogates)
+        cps = torch.randint(0, 0x10FFFF, (n,), generator=g).tolist()
+        texts.append("".join(chr(c) for c in cps if not 0xD800 <= c <= 0xDFFF))
+        ascii_ = torch.randint(0, 128, (n,), generator=g).tolist()
+        texts.append("".join(chr(c) for c in ascii_))
+    return texts
+
+
+# ---------------------------------------------------------------------------------------
+# Model: build, initialise, export
+
+
+def build_model(kwargs: dict, seed: int) -> Qwen3NextForCausalLM:
+    model = Qwen3NextForCausalLM(mtpkit_config(kwargs), ops=TORCH, with_mtp=True)
+    init_parameters(model, seed, kwargs.get("initializer_range", 0.02))
+    return model
+
+
+@torch.no_grad()
+def init_parameters(model: Qwen3NextForCausalLM, seed: int, std: float = 0.02) -> None:
+    """Hugging Face's Qwen3-Next init, except the GDN conv (see below); then requires_grad.
+
+    normal(0, std): embeddings, lm_head, every linear, experts, router, shared-expert gate.
+    Zero-centred RMSNorms (y = x * (1 + w)): 0. GDN gated norm: 1. A_log = log U(1, 16).
+    dt_bias = 1 (HF). GDN conv1d: nn.Conv1d's default U(-1/sqrt(W), 1/sqrt(W)) instead of HF's
+    normal(0.02), which starts the conv (and so q, k, v of every GDN layer) near zero."""
+    g = torch.Generator().manual_seed(seed)
+    modules = dict(model.named_modules())
+    for name, p in model.named_parameters():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = modules[owner_name] if owner_name else model
+        if isinstance(owner, RMSNorm):
+            p.zero_()
+        elif isinstance(owner, GatedRMSNorm):
+            p.fill_(1.0)
+        elif isinstance(owner, GatedDeltaNet) and leaf == "A_log":
+            p.copy_(torch.empty(p.shape).uniform_(1.0, 16.0, generator=g).log_())
+        elif isinstance(owner, GatedDeltaNet) and leaf == "dt_bias":
+            p.fill_(1.0)
+        elif isinstance(owner, GatedDeltaNet) and leaf == "conv_weight":
+            bound = 1.0 / math.sqrt(p.shape[1])
+            p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=g))
+        elif isinstance(owner, (Linear, SparseMoE)) or name in ("embed_tokens", "lm_head"):
+            p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=g))
+        else:
+            raise AssertionError(f"no initialiser for parameter {name}")
+    for p in model.parameters():
+        p.requires_grad_(True)
+
+
+def hf_state_dict(model: Qwen3NextForCausalLM, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """mtpkit parameters under their Hugging Face checkpoint names (the inverse of
+    mtpkit.models.loader._param_specs for a single rank): `model.` prefix except mtp.*,
+    conv_weight [C, W] -> conv1d.weight [C, 1, W], fused experts w13 [E, 2I, H] / w2 [E, H, I]
+    -> experts.{e}.gate_proj / up_proj / down_proj.weight."""
+    out: dict[str, torch.Tensor] = {}
+
+    def put(name, t):
+        assert name not in out, name
+        out[name] = t.detach().to("cpu", dtype).contiguous().clone()
+
+    for name, p in model.named_parameters():
+        if name == "embed_tokens":
+            put("model.embed_tokens.weight", p)
+            continue
+        if name == "lm_head":
+            put("lm_head.weight", p)
+            continue
+        ck = name if name.startswith("mtp.") else "model." + name
+        owner, _, leaf = ck.rpartition(".")
+        if leaf == "conv_weight":
+            put(owner + ".conv1d.weight", p.unsqueeze(1))
+        elif leaf == "w13":
+            inter = p.shape[1] // 2
+            for e in range(p.shape[0]):
+                put(f"{owner}.experts.{e}.gate_proj.weight", p[e, :inter])
+                put(f"{owner}.experts.{e}.up_proj.weight", p[e, inter:])
+        elif leaf == "w2":
+            for e in range(p.shape[0]):
+                put(f"{owner}.experts.{e}.down_proj.weight", p[e])
+        else:
+            put(ck, p)
+    return out
+
+
+def export_checkpoint(model: Qwen3NextForCausalLM, kwargs: dict, out_dir: Path,
+                      dtype: torch.dtype = torch.bfloat16, verify: bool = True) -> Path:
+    """Write config.json, generation_config.json, model.safetensors and tokenizer.json."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    dtype_name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    hf_config(kwargs, dtype_name).save_pretrained(str(tmp))
+    GenerationConfig(eos_token_id=EOS_ID).save_pretrained(str(tmp))
+    save_file(hf_state_dict(model, dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    build_tokenizer().save(str(tmp / "tokenizer.json"))
+    if verify:
+        verify_export(model, tmp, dtype)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in tmp.iterdir():  # keep other files of out_dir (README.md)
+        os.replace(f, out_dir / f.name)
+    tmp.rmdir()
+    return out_dir
+
+
+@torch.no_grad()
+def verify_export(model: Qwen3NextForCausalLM, path: Path, dtype: torch.dtype) -> None:
+    """Reload with mtpkit's own loader: every parameter must come back (rounded to dtype)."""
+    from tokenizers import Tokenizer
+
+    from .models.loader import load_checkpoint
+
+    cfg = Qwen3NextConfig.from_file(path)
+    fresh = Qwen3NextForCausalLM(cfg, ops=TORCH, with_mtp=True)
+    load_checkpoint(fresh, path, torch.float32, torch.device("cpu"))
+    theirs = dict(fresh.named_parameters())
+    for name, p in model.named_parameters():
+        want = p.detach().to(dtype).float()
+        if not torch.equal(theirs[name], want):
+            raise AssertionError(f"exported checkpoint does not reload {name} exactly")
+    check_tokenizer(Tokenizer.from_file(str(path / "tokenizer.json")), _tokenizer_probe_texts())
+
+
+# ---------------------------------------------------------------------------------------
+# Training
+
+
+def fresh_cache(model: Qwen3NextForCausalLM, B: int, T: int) -> CacheTensors:
+    """Zeroed caches for B requests of T tokens: one KV block of T tokens per request."""
+    return allocate_cache(model.cfg, num_blocks=B + 1, num_slots=B + 1, block_size=T, num_spec=0,
+                          n_kv_layers=model.num_kv_layers, dtype=model.embed_tokens.dtype,
+                          device=torch.device("cpu"))
+
+
+def prefill_step(B: int, T: int, inputs: torch.Tensor):
+    """token_ids, positions, metadata of a prefill of B fresh requests (block i+1, slot i+1)."""
+    chunks = [PrefillChunk(inputs[i].tolist(), 0, [i + 1], i + 1, i + 1) for i in range(B)]
+    return build_prefill(chunks, block_size=T, max_blocks=1, device=torch.device("cpu"))
+
+
+class RouterProbe:
+    """Collects router logits of every SparseMoE call (forward hooks on the gates) for the
+    load-balancing loss: coef * E * sum_e f_e * P_e per MoE call (Switch Transformer)."""
+
+    def __init__(self, model: Qwen3NextForCausalLM, topk: int):
+        self.logits: list[torch.Tensor] = []
+        self.topk = topk
+        self.handles = [m.gate.register_forward_hook(self._hook)
+                        for m in model.modules() if isinstance(m, SparseMoE)]
+
+    def _hook(self, module, inputs, output):
+        self.logits.append(output)
+
+    def loss(self) -> tuple[torch.Tensor, float]:
+        """(balance loss averaged over MoE calls, max expert load fraction * E)."""
+        total, worst, n = 0.0, 0.0, len(self.logits)
+        for lg in self.logits:
+            probs = torch.softmax(lg.float(), dim=-1)
+            E = probs.shape[-1]
+            chosen = torch.topk(probs, self.topk, dim=-1).indices
+            f = torch.bincount(chosen.flatten(), minlength=E).float() / chosen.numel()
+            total = total + E * (f * probs.mean(0)).sum()
+            worst = max(worst, float(f.max()) * E)
+        self.logits.clear()
+        return total / max(n, 1) if n else torch.zeros(()), worst
+
+
+def forward_losses(model: Qwen3NextForCausalLM, batch: torch.Tensor, mtp_depth: int = 1) -> dict:
+    """Per-token mean losses of one batch [B, T + 2] (inputs are the first T tokens).
+
+    ntp:      position t predicts token t+1 from the target's hidden h_t.
+    mtp[0]:   position t, from h_t and embed(token t+1), predicts token t+2.
+    mtp[1]:   position t >= 1, from pass 1's output at t-1 and embed(token t+1), predicts
+              token t+2 (teacher-forced recursion; its own fresh MTP KV cache)."""
+    B, T = batch.shape[0], batch.shape[1] - 2
+    token_ids, positions, meta = prefill_step(B, T, batch[:, :T])
+    cache = fresh_cache(model, B, T)
+    hidden = model(token_ids, positions, meta, cache)
+    targets1 = batch[:, 1:T + 1].reshape(-1)
+    targets2 = batch[:, 2:T + 2].reshape(-1)
+    out = {"ntp": F.cross_entropy(model.compute_logits(hidden), targets1), "mtp": []}
+    h = model.mtp_forward(targets1, positions, hidden, meta, cache, step=0)
+    out["mtp"].append(F.cross_entropy(model.compute_logits(h), targets2))
+    out["mtp_hidden"] = h
+    for j in range(1, mtp_depth):
+        # Pass j+1 at position t reads pass j's output at t-1; positions < j have no input.
+        prev = h.view(B, T, -1)
+        h_in = torch.cat([prev[:, :1], prev[:, :-1]], dim=1).reshape(B * T, -1)
+        n_full = len(model.cfg.full_layers)
+        kv = list(cache.kv)
+        kv[n_full] = tuple(torch.zeros_like(t) for t in cache.kv[n_full])
+        cache_j = CacheTensors(kv=kv, conv=cache.conv, ssm=cache.ssm, block_size=cache.block_size)
+        h = model.mtp_forward(targets1, positions, h_in, meta, cache_j, step=j)
+        logits = model.compute_logits(h).view(B, T, -1)[:, j:]
+        out["mtp"].append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                          batch[:, 2 + j:T + 2].reshape(-1)))
+    return out
+
+
+@dataclasses.dataclass
+class TrainArgs:
+    size: str = DEFAULT_SIZE
+    steps: int = 1200
+    batch: int = 8
+    seq_len: int = 256
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 60
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    mtp_weights: tuple[float, ...] = (0.8, 0.4)
+    balance_coef: float = 0.02
+    seed: int = 0
+    threads: int = 1
+    work_dir: str = "/tmp/tiny-qwen3-next-run"
+    out_dir: str = str(DEFAULT_OUT)
+    save_every: int = 50
+    eval_every: int = 200
+    export_every: int = 400
+    eval_windows: int = 16
+    dtype: str = "bfloat16"
+
+
+def lr_at(step: int, a: TrainArgs) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio * lr at the last step."""
+    if step < a.warmup:
+        return a.lr * (step + 1) / a.warmup
+    t = (step - a.warmup) / max(a.steps - a.warmup, 1)
+    return a.lr * (a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def make_optimizer(model: Qwen3NextForCausalLM, a: TrainArgs) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices (and the experts), none on norms, A_log, dt_bias, conv."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.ndim >= 2 and not name.endswith("conv_weight") else no_decay).append(p)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def sample_batch(data: torch.Tensor, B: int, T: int, g: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, data.numel() - (T + 2), (B,), generator=g)
+    return torch.stack([data[s:s + T + 2] for s in starts.tolist()]).long()
+
+
+@torch.no_grad()
+def evaluate(model: Qwen3NextForCausalLM, windows: torch.Tensor, batch: int, mtp_depth: int) -> dict:
+    """Held-out loss and teacher-forced accuracies over fixed windows [N, T + 2]."""
+    sums = {"ntp": 0.0, "ntp_acc": 0.0, "mtp1": 0.0, "mtp1_acc": 0.0}
+    n = 0
+    for i in range(0, windows.shape[0], batch):
+        w = windows[i:i + batch]
+        B, T = w.shape[0], w.shape[1] - 2
+        token_ids, positions, meta = prefill_step(B, T, w[:, :T])
+        cache = fresh_cache(model, B, T)
+        hidden = model(token_ids, positions, meta, cache)
+        logits = model.compute_logits(hidden)
+        t1, t2 = w[:, 1:T + 1].reshape(-1), w[:, 2:T + 2].reshape(-1)
+        mlogits = model.compute_logits(model.mtp_forward(t1, positions, hidden, meta, cache, step=0))
+        sums["ntp"] += F.cross_entropy(logits, t1, reduction="sum").item()
+        sums["ntp_acc"] += (logits.argmax(-1) == t1).sum().item()
+        sums["mtp1"] += F.cross_entropy(mlogits, t2, reduction="sum").item()
+        sums["mtp1_acc"] += (mlogits.argmax(-1) == t2).sum().item()
+        n += t1.numel()
+    return {k: v / n for k, v in sums.items()}
+
+
+def heldout_windows(n: int, T: int, seed: int) -> torch.Tensor:
+    data = load_split("heldout")
+    return sample_batch(data, n, T, torch.Generator().manual_seed(seed + 12345))
+
+
+def _save_state(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def train(a: TrainArgs, log=print) -> Qwen3NextForCausalLM:
+    torch.set_num_threads(a.threads)
+    work = Path(a.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    kwargs = SIZES[a.size]
+    mtp_depth = len(a.mtp_weights)
+    t_start = time.time()
+    data = load_split("train")
+    val = heldout_windows(a.eval_windows, a.seq_len, a.seed)
+    torch.manual_seed(a.seed)
+    model = build_model(kwargs, a.seed)
+    opt = make_optimizer(model, a)
+    g = torch.Generator().manual_seed(a.seed)
+    step, elapsed_before = 0, 0.0
+    state_path = work / "train_state.pt"
+    if state_path.exists():
+        st = torch.load(state_path, weights_only=False)
+        if st["args"] != dataclasses.asdict(a):
+            raise SystemExit(f"{state_path} was written with other arguments; remove it or use "
+                             f"another --work-dir\n  saved: {st['args']}\n  now:   {dataclasses.asdict(a)}")
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        g.set_state(st["rng"])
+        step, elapsed_before = st["step"], st["elapsed"]
+        log(f"resumed from {state_path} at step {step}")
+    (work / "args.json").write_text(json.dumps(dataclasses.asdict(a), indent=2))
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"size {a.size}: {n_params:,} parameters ({n_params * 2 / 1e6:.2f} MB in bf16); "
+        f"{data.numel():,} training tokens; {a.steps} steps of {a.batch}x{a.seq_len} tokens; "
+        f"data ready in {time.time() - t_start:.1f}s")
+    loss_log = (work / "loss.tsv").open("a")
+    if step == 0:
+        loss_log.write("step\ttokens\tlr\tloss\tntp\tmtp1\tmtp2\tbalance\tmax_load\tgrad_norm\telapsed_s\n")
+    probe = RouterProbe(model, kwargs["num_experts_per_tok"]) if a.balance_coef > 0 else None
+    t0, tokens_per_step = time.time() - elapsed_before, a.batch * a.seq_len
+    model.train()
+    while step < a.steps:
+        lr = lr_at(step, a)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        batch = sample_batch(data, a.batch, a.seq_len, g)
+        out = forward_losses(model, batch, mtp_depth)
+        loss = out["ntp"] + sum(w * l for w, l in zip(a.mtp_weights, out["mtp"]))
+        bal, max_load = probe.loss() if probe is not None else (torch.zeros(()), 0.0)
+        loss = loss + a.balance_coef * bal
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
+        opt.step()
+        step += 1
+        elapsed = time.time() - t0
+        mtp = [l.item() for l in out["mtp"]] + [float("nan")] * (2 - mtp_depth)
+        loss_log.write(f"{step}\t{step * tokens_per_step}\t{lr:.3e}\t{loss.item():.4f}\t{out['ntp'].item():.4f}\t"
+                       f"{mtp[0]:.4f}\t{mtp[1]:.4f}\t{bal.item():.4f}\t{max_load:.2f}\t{float(gn):.3f}\t"
+                       f"{elapsed:.1f}\n")
+        loss_log.flush()
+        if step % 10 == 0 or step == 1:
+            log(f"step {step}/{a.steps} loss {loss.item():.4f} ntp {out['ntp'].item():.4f} "
+                f"mtp {' '.join(f'{m:.4f}' for m in mtp[:mtp_depth])} lr {lr:.2e} gn {float(gn):.2f} "
+                f"load {max_load:.2f} {step * tokens_per_step / elapsed:.0f} tok/s {elapsed / 60:.1f} min")
+        if step % a.eval_every == 0 or step == a.steps:
+            model.eval()
+            ev = evaluate(model, val, a.batch, mtp_depth)
+            model.train()
+            log(f"eval step {step}: " + " ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+            with (work / "eval.tsv").open("a") as f:
+                f.write(json.dumps({"step": step, "elapsed": elapsed, **ev}) + "\n")
+        if step % a.save_every == 0 or step == a.steps:
+            _save_state(state_path, {"model": model.state_dict(), "opt": opt.state_dict(),
+                                     "rng": g.get_state(), "step": step, "elapsed": time.time() - t0,
+                                     "args": dataclasses.asdict(a)})
+        if step % a.export_every == 0 and step < a.steps:
+            export_checkpoint(model, kwargs, work / "export", DTYPES[a.dtype])
+            log(f"exported step {step} to {work / 'export'}")
+    if probe is not None:
+        for h in probe.handles:
+            h.remove()
+    loss_log.close()
+    total = time.time() - t0
+    log(f"trained {a.steps} steps, {a.steps * tokens_per_step:,} tokens in {total / 60:.1f} min")
+    export_checkpoint(model, kwargs, Path(a.out_dir), DTYPES[a.dtype])
+    export_checkpoint(model, kwargs, work / "export", DTYPES[a.dtype])
+    (work / "summary.json").write_text(json.dumps({
+        "size": a.size, "parameters": n_params, "steps": a.steps, "tokens": a.steps * tokens_per_step,
+        "train_tokens_available": int(data.numel()), "wall_s": total,
+        "python": sys.version.split()[0], "torch": torch.__version__}, indent=2))
+    log(f"wrote {a.out_dir}")
+    return model
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def benchmark(sizes: list[str], a: TrainArgs, steps: int = 4, log=print) -> None:
+    """Training throughput (fwd + bwd + AdamW) of candidate sizes, after one warm-up step."""
+    torch.set_num_threads(a.threads)
+    data = load_split("heldout")  # any tokens do for timing
+    for size in sizes:
+        kwargs = SIZES[size]
+        model = build_model(kwargs, a.seed)
+        opt = make_optimizer(model, a)
+        g = torch.Generator().manual_seed(0)
+        n = sum(p.numel() for p in model.parameters())
+        times = []
+        for i in range(steps + 1):
+            t = time.time()
+            out = forward_losses(model, sample_batch(data, a.batch, a.seq_len, g), len(a.mtp_weights))
+            loss = out["ntp"] + sum(w * l for w, l in zip(a.mtp_weights, out["mtp"]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            times.append(time.time() - t)
+        dt = sum(times[1:]) / steps
+        log(f"{size}: {n:,} params ({n * 2 / 1e6:.2f} MB bf16), {a.batch}x{a.seq_len} mtp_depth "
+            f"{len(a.mtp_weights)}: {dt:.2f} s/step, {a.batch * a.seq_len / dt:.0f} tok/s "
+            f"(loss {loss.item():.3f})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    d = TrainArgs()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--size", choices=sorted(SIZES), default=d.size)
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch", type=int, default=d.batch)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--mtp-weights", type=float, nargs="+", default=list(d.mtp_weights),
+                   help="loss weight of each MTP pass (their number is the MTP training depth)")
+    p.add_argument("--balance-coef", type=float, default=d.balance_coef)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--work-dir", default=d.work_dir, help="training state, loss.tsv, eval.tsv, export/")
+    p.add_argument("--out-dir", default=d.out_dir, help="where the final checkpoint is written")
+    p.add_argument("--save-every", type=int, default=d.save_every)
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--export-every", type=int, default=d.export_every)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="checkpoint dtype")
+    p.add_argument("--bench", nargs="*", metavar="SIZE",
+                   help="only measure training throughput of these sizes (all when none given)")
+    p.add_argument("--quick", action="store_true",
+                   help="a 12-step smoke run into a temporary work/out dir (checks the whole path)")
+    args = p.parse_args(argv)
+    a = TrainArgs(size=args.size, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
+                  warmup=args.warmup, mtp_weights=tuple(args.mtp_weights), balance_coef=args.balance_coef,
+                  seed=args.seed, threads=args.threads, work_dir=args.work_dir, out_dir=args.out_dir,
+                  save_every=args.save_every, eval_every=args.eval_every, export_every=args.export_every,
+                  dtype=args.dtype)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    if args.bench is not None:
+        benchmark(args.bench or sorted(SIZES), a, log=log)
+        return
+    if args.quick:
+        import tempfile
+        root = Path(tempfile.mkdtemp(prefix="mtpkit-train-quick-"))
+        a = dataclasses.replace(a, steps=12, warmup=4, save_every=5, eval_every=6, export_every=6,
+                                eval_windows=4, work_dir=str(root / "work"), out_dir=str(root / "out"))
+    train(a, log=log)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Shared fixtures for the mtpkit test suite.
+
+- ``_single_thread`` (autouse, session): ``torch.set_num_threads(1)`` for every test. The tiny
+  models gain nothing from intra-op threads, and OpenMP spinning on a loaded 2-core machine made
+  the suite several times slower (see tests/oracle.py ``single_thread``).
+- ``hf_checkpoint``: a factory ``hf_checkpoint(name, seed, with_mtp=True, lm_head_scale=4.0)``
+  returning ``(hf_model, checkpoint_dir)`` for a TINY_CONFIGS entry. Each distinct argument set is
+  built and saved once per session (float64 weights on disk, ``mtp.*`` tensors appended when
+  ``with_mtp``). The HF model is shared between tests: treat it (and the directory) as read-only;
+  copy the directory (``shutil.copytree``) before editing a checkpoint.
+
+``lm_head_scale`` defaults to 4: the std-0.05 perturbed models otherwise give max |logit| ~1-2
+over a vocab of 128-256 (near-uniform distributions, many near-ties); x4 gives max |logit| ~3-8.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import oracle as O  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _single_thread():
+    with O.single_thread():
+        yield
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """Factory: (name, seed, with_mtp=True, lm_head_scale=4.0) -> (hf_model, checkpoint path)."""
+    pytest.importorskip("transformers")
+    cache: dict[tuple, tuple] = {}
+    models: dict[tuple, object] = {}
+
+    def get(name: str, seed: int, with_mtp: bool = True, lm_head_scale: float = 4.0):
+        key = (name, int(seed), bool(with_mtp), float(lm_head_scale))
+        if key not in cache:
+            mkey = key[:2] + key[3:]
+            if mkey not in models:
+                models[mkey] = O.build_hf_model(name, seed=seed, lm_head_scale=lm_head_scale)
+            model = models[mkey]
+            tag = f"{name}-s{seed}-{'mtp' if with_mtp else 'nomtp'}-x{lm_head_scale:g}"
+            path = tmp_path_factory.mktemp(tag)
+            mtp = O.make_mtp_state_dict(name, seed) if with_mtp else None
+            O.save_checkpoint(model, path, mtp_state=mtp)
+            cache[key] = (model, path)
+        return cache[key]
+
+    return get
