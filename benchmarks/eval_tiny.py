@@ -111,6 +111,26 @@ def speculation(path: Path, prompts: list[list[int]], new_tokens: int, num_specs
     return out
 
 
+def hf_check(path: Path, prompts: list[list[int]], new_tokens: int, num_spec: int = 3) -> dict:
+    """mtpkit greedy (float32, with speculation) against transformers' Qwen3NextForCausalLM
+    greedy (float32) loaded from the same directory (it ignores mtp.*): tie-aware, as
+    tests/oracle.py checks it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from oracle import check_greedy_against_hf, load_hf_model
+
+    hf, info = load_hf_model(path, dtype=torch.float32, with_info=True)
+    missing = list(info.get("missing_keys", []))
+    llm = mtpkit.LLM(path, dtype="float32", device="cpu", num_spec=num_spec, max_num_seqs=len(prompts),
+                     max_model_len=max(len(p) for p in prompts) + new_tokens + 8)
+    outs = llm.generate(prompts, mtpkit.SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    reports = [check_greedy_against_hf(hf, ids, o.token_ids) for ids, o in zip(prompts, outs)]
+    res = {"hf_missing_keys": missing, "prompts": len(prompts), "identical": sum(r.identical for r in reports),
+           "ok": sum(r.ok for r in reports), "failures": [r.reason for r in reports if not r.ok]}
+    print(f"transformers vs mtpkit (num_spec {num_spec}) greedy: {res['identical']}/{len(prompts)} identical, "
+          f"{res['ok']}/{len(prompts)} ok (tie-aware); HF missing keys: {missing or 'none'}", flush=True)
+    return res
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-qwen3-next", help="checkpoint dir or built-in name")
@@ -122,6 +142,8 @@ def main(argv=None) -> dict:
     p.add_argument("--num-spec", type=int, nargs="+", default=[1, 2, 3, 4])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--show", type=int, default=2, help="print this many generations")
+    p.add_argument("--hf-check", action="store_true",
+                   help="also compare mtpkit's greedy output with transformers' on the prompts")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -137,10 +159,15 @@ def main(argv=None) -> dict:
     results["prompts"] = [name for name, _ in prompts]
     if a.prompts:
         results["speculation"] = speculation(path, [ids for _, ids in prompts], a.new_tokens, a.num_spec)
-        llm = mtpkit.LLM(path, dtype="float32", device="cpu", num_spec=0, enforce_eager=True)
+        llm = mtpkit.LLM(path, dtype="float32", device="cpu", num_spec=3)
         for name, ids in prompts[:a.show]:
             text = llm.generate([ids], mtpkit.SamplingParams(max_tokens=a.new_tokens, ignore_eos=True))[0].text
-            print(f"--- {name}\n{bytes(ids).decode('utf-8', 'replace')}\033[1m{text}\033[0m", flush=True)
+            print(f"--- {name}: prompt\n{bytes(ids).decode('utf-8', 'replace')}\n--- generated\n{text}\n---",
+                  flush=True)
+    if a.hf_check:
+        from tokenizers import Tokenizer
+        fib = Tokenizer.from_file(str(path / "tokenizer.json")).encode("def fibonacci(n):").ids
+        results["hf_check"] = hf_check(path, [fib] + [ids for _, ids in prompts], a.new_tokens)
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2))
     return results

@@ -8,6 +8,7 @@ when they are added.
 import dataclasses
 import itertools
 import json
+import operator
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -53,7 +54,13 @@ class LLM:
         self.device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = resolve_dtype(dtype, self.device, cfg.torch_dtype)
-        if not isinstance(num_spec, int) or not 0 <= num_spec <= 8:
+        for name, v in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
+                        ("max_num_batched_tokens", max_num_batched_tokens), ("seed", seed),
+                        ("max_model_len", max_model_len), ("num_blocks", num_blocks),
+                        ("num_state_slots", num_state_slots), ("kv_cache_memory", kv_cache_memory)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ConfigError(f"{name}={v!r} must be an int")
+        if not isinstance(num_spec, int) or isinstance(num_spec, bool) or not 0 <= num_spec <= 8:
             raise ConfigError(f"num_spec={num_spec!r} must be an int in 0..8")
         if max_model_len is None:
             max_model_len = min(cfg.max_position_embeddings, 4096)
@@ -86,10 +93,11 @@ class LLM:
             num_spec=num_spec, max_num_seqs=max_num_seqs,
             max_state_reqs=(num_state_slots - 1) // bundle,
             graph_sizes=graph_sizes, cudagraph_capture_sizes=cudagraph_capture_sizes)
-        from .models.loader import has_mtp_weights, load_checkpoint
+        from .models.loader import checkpoint_index, has_mtp_weights, load_checkpoint
         from .models.qwen3_next import Qwen3NextForCausalLM
         from .attn.backend import select_backend
 
+        checkpoint_index(path)  # a missing or broken weights file is reported before any work
         if num_spec > 0 and not has_mtp_weights(path):
             raise ConfigError(f"num_spec={num_spec} needs the checkpoint's mtp.* weights, and {path} has "
                               "none; use num_spec=0 or a checkpoint with an MTP head")
@@ -119,9 +127,18 @@ class LLM:
                 raise InputError(f"{where}: this checkpoint has no tokenizer.json; pass token ids")
             ids = self.tokenizer.encode(prompt).ids
         else:
-            ids = list(prompt)
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-                   or not 0 <= t < self.model_config.vocab_size]
+            ids, bad = [], []
+            for t in prompt:  # Python, numpy and torch integers; not bools or floats
+                try:
+                    if isinstance(t, bool) or getattr(t, "dtype", None) == torch.bool:
+                        raise TypeError
+                    t = operator.index(t)
+                except TypeError:
+                    bad.append(t)
+                    continue
+                ids.append(t)
+                if not 0 <= t < self.model_config.vocab_size:
+                    bad.append(t)
             if bad:
                 raise InputError(f"{where}: token ids {bad[:8]} are outside the vocabulary "
                                  f"0..{self.model_config.vocab_size - 1}")
@@ -131,7 +148,10 @@ class LLM:
 
     def _validate(self, prompt: Prompt, params: SamplingParams | None, where: str) -> list[int]:
         params = params or SamplingParams()
-        params.validate(self.model_config.vocab_size)
+        try:
+            params.validate(self.model_config.vocab_size)
+        except InputError as e:
+            raise InputError(f"{where}: {e}") from None
         ids = self._tokens(prompt, where)
         total, limit = len(ids) + params.max_tokens, self.engine_config.max_model_len
         if total > limit:

@@ -415,12 +415,12 @@ def forward_losses(model: Qwen3NextForCausalLM, batch: torch.Tensor, mtp_depth: 
 @dataclasses.dataclass
 class TrainArgs:
     size: str = DEFAULT_SIZE
-    steps: int = 1200
+    steps: int = 1000
     batch: int = 8
     seq_len: int = 256
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup: int = 60
+    warmup: int = 50
     weight_decay: float = 0.1
     clip: float = 1.0
     mtp_weights: tuple[float, ...] = (0.8, 0.4)

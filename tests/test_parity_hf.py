@@ -149,7 +149,6 @@ def test_score_fp64_matches_hf_every_position(name, hf_checkpoint, hf_ref_logits
         # the public float32 output is the same within float32 rounding
         rel_pub = _rel_err_per_position(public, ref)
         assert float(rel_pub.max()) <= FP64_REL_TOL
-        assert torch.equal(public.argmax(-1), ref.argmax(-1)) or float(rel_pub.max()) < 1e-5
         worst = max(worst, float(rel.max()))
     _MEASURED.setdefault(name, {})["fp64_rel"] = worst
 

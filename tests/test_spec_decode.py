@@ -37,7 +37,7 @@ def _greedy(path, prompts, max_tokens, **kw):
 
 # ---- losslessness ---------------------------------------------------------------------------
 
-@settings(max_examples=14, deadline=None, derandomize=True,
+@settings(max_examples=30, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_lossless_property(ckdir, data):

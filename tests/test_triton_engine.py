@@ -76,16 +76,16 @@ def _oracle_drafts(monkeypatch, prompts, greedy):
 
 
 def _record_padding(monkeypatch) -> list[tuple[int, int]]:
-    """(rows, num_reqs_padded) of every uniform forward (verify steps and MTP passes)."""
+    """(num_reqs, num_reqs_padded) of every verify step."""
     from mtpkit.engine.runner import ModelRunner
 
-    seen, original = [], ModelRunner.uniform_forward
+    seen, original = [], ModelRunner._verify
 
-    def uniform_forward(self, rows, num_reqs_padded):
-        seen.append((len(rows), num_reqs_padded))
-        return original(self, rows, num_reqs_padded)
+    def verify(self, plan):
+        seen.append((plan.num_reqs, plan.num_reqs_padded))
+        return original(self, plan)
 
-    monkeypatch.setattr(ModelRunner, "uniform_forward", uniform_forward)
+    monkeypatch.setattr(ModelRunner, "_verify", verify)
     return seen
 
 

@@ -63,6 +63,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, seq_lens: Tensor, sc
         visible &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    # Keys past seq_len may be null-block garbage (even NaN): zero them, since 0 * NaN = NaN.
+    v = v.masked_fill(~(k_pos[None, :] < seq_lens.to(q.device)[:, None])[:, :, None, None], 0.0)
     return torch.einsum("rhqk,rkhd->rqhd", probs, v).to(q.dtype)
 
 
@@ -107,14 +109,18 @@ def paged_attention_verify(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    max_seq_len: int | None = None,
 ) -> Float[Tensor, "num_reqs_padded bundle heads head_dim"]:
     """A uniform verify/decode step, batched over requests: every request's bundle tokens
     are its last positions seq_lens[i] - bundle .. seq_lens[i] - 1. K/V are gathered up to
     max(seq_lens) and masked per row by seq_len and causality. Padded rows (block-table
     row of zeros, seq_len = bundle) read the null block and stay finite. Requires
-    seq_lens >= bundle, so every query sees at least itself."""
+    seq_lens >= bundle, so every query sees at least itself. `max_seq_len` (an upper bound
+    of seq_lens, known on the host) avoids a device sync; graphs pass the largest possible."""
     bundle = q.shape[1]
-    ctx = int(seq_lens.max().item()) if seq_lens.numel() else 0
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
+    ctx = max_seq_len
     kk = _gather_kv(k_cache, block_table, ctx)
     vv = _gather_kv(v_cache, block_table, ctx)
     q_pos = seq_lens.long().to(q.device)[:, None] - bundle + torch.arange(bundle, device=q.device)

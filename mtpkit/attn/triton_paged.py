@@ -13,10 +13,11 @@ Verify / decode (`paged_attention_verify`), split-KV ("flash decoding"), one or 
   optionally at the sliding window (keys > pos - window; whole blocks below the window are
   skipped). softcap * tanh(s / softcap) is applied before masking.
 - num_splits > 1: every split writes its unnormalised output, running max and sum to an
-  fp32 scratch buffer and a second kernel merges them (log-sum-exp). num_splits depends
-  only on shapes (num_reqs_padded, kv_heads, block-table width), never on seq_lens values,
-  so the launch is the same on every replay of a captured graph and no host sync happens.
-  Splits past a row's seq_len contribute nothing.
+  fp32 scratch buffer and a second kernel merges them (log-sum-exp). num_splits and the
+  split length depend only on shapes (num_reqs_padded, kv_heads) and the host-side bound
+  max_seq_len (else the block-table width), never on seq_lens values, so the launch is the
+  same on every replay of a captured graph and no host sync happens. Splits past a row's
+  seq_len contribute nothing.
 
 Varlen prefill over a cached prefix (`paged_attention_prefill`): grid
 (num_reqs, heads, cdiv(max_query_len, BLOCK_M)); request i's queries are tokens
@@ -342,12 +343,15 @@ def paged_attention_verify(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    max_seq_len: int | None = None,
 ) -> Float[Tensor, "num_reqs_padded bundle heads head_dim"]:
     """Triton version of paged.paged_attention_verify (see the module docstring); no host
-    sync, launch shape fixed by the tensor shapes (capturable)."""
+    sync. The launch depends on the tensor shapes and `max_seq_len` (a host-side upper bound
+    of seq_lens; default: the block table's capacity), so a graph that passes a fixed
+    max_seq_len replays the same launch."""
     if _use_reference(q, k_cache, v_cache):
         return ref.paged_attention_verify(q, k_cache, v_cache, seq_lens, block_table, scale,
-                                          sliding_window, softcap)
+                                          sliding_window, softcap, max_seq_len)
     R, B, H, D = q.shape
     page, KVH = k_cache.shape[1], k_cache.shape[2]
     if H % KVH:
@@ -365,6 +369,8 @@ def paged_attention_verify(
     BD, BN, warps = _tiles(D)
     BM = max(triton.next_power_of_2(G * B), 16)
     max_ctx = block_table.shape[1] * page
+    if max_seq_len is not None:
+        max_ctx = max(min(max_ctx, int(max_seq_len)), 1)
     splits = num_splits(R, KVH, max_ctx, q.device)
     split_len = triton.cdiv(triton.cdiv(max_ctx, splits), BN) * BN
     if splits > 1:

@@ -154,11 +154,35 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
+    # Below this many token-expert pairs a step computes every expert for every token (one
+    # batched product, no data-dependent shapes): each token's result is then independent of
+    # the other tokens in the batch (padded rows cannot change real rows' rounding) and the
+    # step is capturable in a CUDA graph. Larger steps (prefill) loop over the experts hit.
+    dense_limit: int = 1 << 16
+
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens hidden"]:
         weights, experts = self.route(x)
+        if x.shape[0] * self.w13.shape[0] <= self.dense_limit:
+            out = self._dense(x, weights, experts)
+        else:
+            out = self._grouped(x, weights, experts)
+        if self.shared_expert is not None:
+            # Partial (un-reduced) shared output: summed with the routed part in one all-reduce.
+            s = self.shared_expert
+            shared = F.linear(F.silu(s.gate_proj(x)) * s.up_proj(x), s.down_proj.weight)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return self.tp.all_reduce(out)
+
+    def _dense(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        E = self.w13.shape[0]
+        gate = torch.zeros(x.shape[0], E, dtype=x.dtype, device=x.device).scatter(1, experts, weights)
+        g, u = torch.einsum("th,eih->tei", x, self.w13).chunk(2, dim=-1)      # [T, E, I]
+        y = torch.einsum("tei,ehi->teh", F.silu(g) * u, self.w2)              # [T, E, H]
+        return torch.einsum("teh,te->th", y, gate)
+
+    def _grouped(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         out = torch.zeros_like(x)
-        # Loop over the experts actually hit: cheap for decode-sized batches, exact per token.
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
@@ -167,16 +191,9 @@ class SparseMoE(nn.Module):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            idx = order[start:start + n]
-            tok = token_of[start:start + n]
+            idx, tok = order[start:start + n], token_of[start:start + n]
             start += n
-            gate_up = F.linear(x[tok], self.w13[e])
-            g, u = gate_up.chunk(2, dim=-1)
+            g, u = F.linear(x[tok], self.w13[e]).chunk(2, dim=-1)
             y = F.linear(F.silu(g) * u, self.w2[e]) * weights.flatten()[idx, None]
             out.index_add_(0, tok, y)
-        if self.shared_expert is not None:
-            # Partial (un-reduced) shared output: summed with the routed part in one all-reduce.
-            s = self.shared_expert
-            shared = F.linear(F.silu(s.gate_proj(x)) * s.up_proj(x), s.down_proj.weight)
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
-        return self.tp.all_reduce(out)
+        return out

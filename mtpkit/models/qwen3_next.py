@@ -55,7 +55,8 @@ class FullAttention(nn.Module):
         else:
             R, B = meta.num_reqs_padded, meta.bundle
             o = self.ops.paged_attention_verify(q.view(R, B, self.heads, self.hd), k_cache, v_cache,
-                                                meta.seq_lens, meta.block_table, self.scale)
+                                                meta.seq_lens, meta.block_table, self.scale,
+                                                max_seq_len=meta.max_seq_len)
         o = o.reshape(T, self.heads * self.hd) * torch.sigmoid(gate.reshape(T, -1))
         return self.o_proj(o)
 

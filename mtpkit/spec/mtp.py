@@ -35,7 +35,8 @@ def draft_pass_metadata(
         slot_mapping=blocks * block_size + positions % block_size,
         state_slots=torch.zeros(R, 1, dtype=torch.int64, device=positions.device),
         num_accepted=torch.ones(R, dtype=torch.int64, device=positions.device),
-        num_reqs=R, num_reqs_padded=R, bundle=1, max_seq_len=max_seq_len,
+        num_reqs=R, num_reqs_padded=R, bundle=1,
+        max_seq_len=min(max_seq_len, block_table.shape[1] * block_size),
     )
 
 

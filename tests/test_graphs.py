@@ -1,0 +1,199 @@
+"""The graph path (static buffers keyed by num_reqs_padded; CPU replay) and the regression
+cases other engines hit (shared/reference/spec_decode.md, items 1-8)."""
+
+import functools
+
+import pytest
+import torch
+
+import oracle
+import spec_models
+from mtpkit import LLM, ConfigError, SamplingParams
+from mtpkit.graphs import build_capture_plan
+
+F64 = dict(dtype="float64", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def ckdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("graphs")
+
+
+@functools.lru_cache(maxsize=None)
+def _ck(root, mode="bigram", eps=0.1, cfg="base", seed=0):
+    return spec_models.build_spec_checkpoint(f"{root}/{cfg}_{mode}_{eps}_{seed}", cfg, seed, mode, eps)
+
+
+def _run(path, prompts, max_tokens=14, **kw):
+    llm = LLM(path, max_model_len=128, **F64, **kw)
+    steps = []
+    orig = llm.runner.execute
+    llm.runner.execute = lambda plan: (steps.append((plan.kind.value, plan.num_reqs, plan.num_reqs_padded)),
+                                       orig(plan))[1]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return [o.token_ids for o in outs], llm, steps
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+@pytest.mark.parametrize("n,padded", [(3, 4), (5, 8)])
+def test_graph_path_equals_eager(ckdir, k, n, padded):
+    path = _ck(str(ckdir))
+    prompts = oracle.random_prompts(n, 256, seed=n, lengths=[1, 9, 17, 30, 44][:n])
+    eager, _, _ = _run(path, prompts, num_spec=k, enforce_eager=True, max_num_seqs=8)
+    graph, llm, steps = _run(path, prompts, num_spec=k, max_num_seqs=8)
+    assert graph == eager
+    assert llm.runner.graphs is not None and llm.capture_plan.sizes == (1, 2, 4, 8)
+    verify = [s for s in steps if s[0] == "verify"]
+    assert (n, padded) in [(r, p) for _, r, p in verify], "the step count needing padding must occur"
+    assert all(p == llm.capture_plan.dispatch(r) for _, r, p in verify)
+
+
+def _fill_null(llm, value):
+    for k, v in llm.cache.kv:
+        k[0].fill_(value), v[0].fill_(value)
+    for c, s in zip(llm.cache.conv, llm.cache.ssm):
+        c[0].fill_(value), s[0].fill_(value)
+
+
+def _padded_run(path, k, prompts, null_value, **kw):
+    llm = LLM(path, num_spec=k, max_model_len=64, **F64, **kw)
+    _fill_null(llm, null_value)
+    reqs = [llm.add_request(p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in prompts]
+    llm.step()  # prefill all three
+    for _ in range(3):  # verify steps with 3 real rows (padded to 4 unless eager)
+        llm.step()
+    assert all(r.status.value == "running" for r in reqs)
+    return llm, reqs
+
+
+def _real_storage(llm):
+    """Every KV block and state slot except the null ones."""
+    return [t[1:] for kv in llm.cache.kv for t in kv] + [t[1:] for t in llm.cache.conv + llm.cache.ssm]
+
+
+@pytest.mark.parametrize("k", [0, 2])
+@pytest.mark.parametrize("sentinel", [1e4, float("nan")])
+def test_padded_rows_are_inert(ckdir, k, sentinel):
+    """Null block and null slot filled with sentinels: 3 requests padded to 4 leave every real
+    request's KV and GDN state bit-identical to the same padded run over zeroed null storage
+    (nothing read from null storage reaches a real row), and equal to an unpadded run up to
+    rounding (CPU GEMMs round differently for 9 and 12 rows, so bitwise equality across
+    different batch shapes is not a property of the hardware), with identical tokens."""
+    path = _ck(str(ckdir))
+    prompts = oracle.random_prompts(3, 256, seed=7, lengths=[5, 12, 20])
+    pad = dict(graph_sizes=[4], max_num_seqs=4)
+    a, ra = _padded_run(path, k, prompts, sentinel, **pad)
+    z, rz = _padded_run(path, k, prompts, 0.0, **pad)
+    b, rb = _padded_run(path, k, prompts, sentinel, enforce_eager=True, max_num_seqs=4)
+    assert [r.output_token_ids for r in ra] == [r.output_token_ids for r in rz] == \
+        [r.output_token_ids for r in rb]
+    for x, y, u in zip(_real_storage(a), _real_storage(z), _real_storage(b)):
+        assert torch.equal(x, y)
+        torch.testing.assert_close(x, u, rtol=0, atol=1e-12)
+    # and the padded rows did run: null storage was written
+    assert not torch.equal(a.cache.kv[0][0][0], torch.full_like(a.cache.kv[0][0][0], sentinel)) \
+        or sentinel != sentinel
+
+
+# ---- regression cases (spec_decode.md) ------------------------------------------------------
+
+def test_regression_1_ragged_capture_sizes_fail_fast_with_corrected_list(ckdir, monkeypatch):
+    """The seed failure: num_spec=2 (bundle 3) with capture sizes [1, 2, 4, 8, 16, 32] in
+    tokens. It must be a ConfigError at construction, naming the sizes and the fix, before
+    any weight is read; the same numbers as request counts run."""
+    import mtpkit.models.loader as loader
+    path = _ck(str(ckdir))
+    monkeypatch.setattr(loader, "load_checkpoint", lambda *a, **k: pytest.fail("weights were read"))
+    with pytest.raises(ConfigError) as e:
+        LLM(path, num_spec=2, max_num_seqs=32, cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32], **F64)
+    msg = str(e.value)
+    assert "[1, 2, 4, 8, 16, 32]" in msg and "bundle 3" in msg and "graph_sizes=" in msg
+    monkeypatch.undo()
+    llm = LLM(path, num_spec=2, max_num_seqs=32, graph_sizes=[1, 2, 4, 8, 16, 32], **F64)
+    assert llm.capture_plan.token_sizes == (3, 6, 12, 24, 48, 96)
+    out = llm.generate([[1, 2, 3]] * 3, SamplingParams(max_tokens=5, ignore_eos=True))
+    assert all(len(o.token_ids) == 5 for o in out)
+
+
+def test_regression_2_three_requests_padded_to_four(ckdir):
+    """A padded row counted as a prefill gave NaN logits and num_accepted = -1: here padded
+    rows are inert verify rows; real rows stay finite and accept >= 1."""
+    path = _ck(str(ckdir), eps=0.0)
+    llm = LLM(path, num_spec=2, max_num_seqs=4, graph_sizes=[4], max_model_len=64, **F64)
+    reqs = [llm.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True))
+            for p in ([1, 2], [3, 4, 5], [6])]
+    llm.step()
+    while llm.scheduler.has_unfinished():
+        llm.step()
+        assert all(1 <= r.num_accepted <= 3 for r in reqs)
+    logits = llm.runner.graphs.outputs[4]["logits"]
+    assert torch.isfinite(logits[:3 * 3]).all()
+    assert llm.stats.num_accepted > 0
+
+
+def test_regression_3_padded_conv_batch(ckdir):
+    """Padding changed the batch the conv kernel saw and tripped a shape assert: the conv
+    runs over num_reqs_padded rows whatever the real count, with shapes checked in debug."""
+    import mtpkit
+    path = _ck(str(ckdir), cfg="five_layer")
+    llm = LLM(path, num_spec=1, max_num_seqs=8, max_model_len=64, **F64)
+    with mtpkit.debug() as trace:
+        llm.generate(oracle.random_prompts(5, 256, seed=1), SamplingParams(max_tokens=4, ignore_eos=True))
+    conv = [e for e in trace if e.function.endswith("causal_conv1d_verify")]
+    assert conv and all(e.dims["num_reqs_padded"] in (1, 2, 4, 8) for e in conv)
+    assert {e.dims["num_reqs_padded"] for e in conv} >= {8}
+
+
+def test_regression_4_state_pool_too_small(ckdir, monkeypatch):
+    import mtpkit.models.loader as loader
+    monkeypatch.setattr(loader, "load_checkpoint", lambda *a, **k: pytest.fail("weights were read"))
+    with pytest.raises(ConfigError, match="state-slot pool holds 3 requests"):
+        LLM(_ck(str(ckdir)), num_spec=2, max_num_seqs=8, num_state_slots=10, **F64)
+
+
+def test_regression_5_all_drafts_rejected_keeps_state_in_range(ckdir):
+    """num_accepted == 0 read slot -1: here a >= 1 always, and all-reject decoding equals
+    non-speculative decoding (state correct after every rollback)."""
+    path = _ck(str(ckdir), mode="all_reject")
+    prompts = oracle.random_prompts(3, 256, seed=9, lengths=[4, 20, 33])
+    ref, _, _ = _run(path, prompts, max_tokens=16)
+    out, llm, _ = _run(path, prompts, max_tokens=16, num_spec=3)
+    assert out == ref and llm.stats.num_accepted == 0
+
+
+def test_regression_6_no_offset_zero_step_after_spec(ckdir):
+    """A non-spec step after a spec step read the conv state at offset 0. Here the verify path
+    is the only decode path: a request near its end (0 drafts allowed) still reads offset a-1,
+    and its tokens equal non-speculative decoding."""
+    path = _ck(str(ckdir), eps=0.0)
+    prompts = oracle.random_prompts(4, 256, seed=2, lengths=[3, 8, 13, 21])
+    for mt in (2, 5, 9):  # ends where only 0 or 1 drafts fit
+        ref, _, _ = _run(path, prompts, max_tokens=mt)
+        out, _, _ = _run(path, prompts, max_tokens=mt, num_spec=4)
+        assert out == ref
+
+
+def test_regression_7_max_capture_size_not_truncated(ckdir):
+    path = _ck(str(ckdir))
+    llm = LLM(path, num_spec=1, max_num_seqs=13, graph_sizes=[1, 4], **F64)
+    assert llm.capture_plan.sizes[-1] == 13
+    with pytest.raises(ConfigError, match="above max_num_seqs"):
+        LLM(path, num_spec=1, max_num_seqs=8, graph_sizes=[1, 16], **F64)
+
+
+def test_regression_8_token_sizes_rounded_to_bundle(ckdir):
+    plan = build_capture_plan(num_spec=3, max_num_seqs=8, cudagraph_capture_sizes=[4, 8, 16])
+    assert all(t % 4 == 0 for t in plan.token_sizes) and plan.sizes == (1, 2, 4, 8)
+    with pytest.raises(ConfigError, match="not multiples of 4"):
+        build_capture_plan(num_spec=3, max_num_seqs=8, cudagraph_capture_sizes=[4, 6])
+
+
+def test_debug_trace_shows_step_shapes(ckdir):
+    import mtpkit
+    llm = LLM(_ck(str(ckdir)), num_spec=2, max_num_seqs=4, **F64)
+    with mtpkit.debug() as trace:
+        llm.generate(oracle.random_prompts(3, 256, seed=4), SamplingParams(max_tokens=4, ignore_eos=True))
+    steps = [e for e in trace if e.function == "attn.metadata.UniformMetadata" and e.dims.get("bundle") == 3]
+    assert steps and all({"num_reqs", "num_reqs_padded", "bundle"} <= set(e.dims) for e in steps)
+    assert any(e.dims["num_reqs"] == 3 and e.dims["num_reqs_padded"] == 4 for e in steps)
+    assert "num_reqs_padded=4" in trace.table()
