@@ -13,11 +13,11 @@ Verify / decode (`paged_attention_verify`), split-KV ("flash decoding"), one or 
   optionally at the sliding window (keys > pos - window; whole blocks below the window are
   skipped). softcap * tanh(s / softcap) is applied before masking.
 - num_splits > 1: every split writes its unnormalised output, running max and sum to an
-  fp32 scratch buffer and a second kernel merges them (log-sum-exp). num_splits and the
-  split length depend only on shapes (num_reqs_padded, kv_heads) and the host-side bound
-  max_seq_len (else the block-table width), never on seq_lens values, so the launch is the
-  same on every replay of a captured graph and no host sync happens. Splits past a row's
-  seq_len contribute nothing.
+  fp32 scratch buffer and a second kernel merges them (log-sum-exp). num_splits depends
+  only on shapes (num_reqs_padded, kv_heads, block-table width), so each shape compiles
+  once; the split length on those and the host-side bound max_seq_len (else the
+  block-table width). Never on seq_lens values: no host sync, and the launch is the same on
+  every replay of a captured graph. Splits past a row's seq_len contribute nothing.
 
 Varlen prefill over a cached prefix (`paged_attention_prefill`): grid
 (num_reqs, heads, cdiv(max_query_len, BLOCK_M)); request i's queries are tokens
@@ -184,7 +184,7 @@ def _paged_verify_kernel(
                 mask=qm, other=0.0)
     if not NATIVE:
         q = q.to(tl.float32)
-    lo = split * split_len
+    lo = (split * split_len).to(tl.int64)
     hi = tl.minimum(lo + split_len, seq_len)
     if HAS_WINDOW:
         # the earliest query (position seq_len - B) sees keys > seq_len - B - window
@@ -368,10 +368,11 @@ def paged_attention_verify(
     G = H // KVH
     BD, BN, warps = _tiles(D)
     BM = max(triton.next_power_of_2(G * B), 16)
-    max_ctx = block_table.shape[1] * page
-    if max_seq_len is not None:
-        max_ctx = max(min(max_ctx, int(max_seq_len)), 1)
-    splits = num_splits(R, KVH, max_ctx, q.device)
+    capacity = block_table.shape[1] * page
+    # The split count follows the block-table width only (one compiled variant per shape);
+    # the host-side bound max_seq_len, when given, only shortens the splits.
+    splits = num_splits(R, KVH, capacity, q.device)
+    max_ctx = capacity if max_seq_len is None else max(min(capacity, int(max_seq_len)), 1)
     split_len = triton.cdiv(triton.cdiv(max_ctx, splits), BN) * BN
     if splits > 1:
         part = torch.empty(R, KVH, splits, BM, BD, dtype=torch.float32, device=q.device)
