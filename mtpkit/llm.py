@@ -47,7 +47,10 @@ class LLM:
                  kv_cache_memory: int | None = None, max_num_batched_tokens: int = 2048,
                  graph_sizes: Sequence[int] | None = None,
                  cudagraph_capture_sizes: Sequence[int] | None = None,
-                 attn_backend: str | None = None):
+                 attn_backend: str | None = None, tensor_parallel_size: int | None = None):
+        """tensor_parallel_size: ranks the model is split over; None means every process of
+        the launched job (`accelerate launch` / torchrun), 1 when not launched. It must equal
+        the launched world size. Every rank runs the engine and returns the same outputs."""
         path = resolve_model(model)
         self.model_path = path
         self.model_config = cfg = Qwen3NextConfig.from_file(path)
@@ -62,6 +65,16 @@ class LLM:
                 raise ConfigError(f"{name}={v!r} must be an int")
         if not isinstance(num_spec, int) or isinstance(num_spec, bool) or not 0 <= num_spec <= 8:
             raise ConfigError(f"num_spec={num_spec!r} must be an int in 0..8")
+        # Tensor parallelism: what config.json cannot split is refused first, then a size that
+        # differs from the launched job.
+        from .models.qwen3_next import check_tensor_parallel
+        from .parallel import TP
+        if isinstance(tensor_parallel_size, int):
+            check_tensor_parallel(cfg, tensor_parallel_size, with_mtp=num_spec > 0)
+        self.tp = tp = TP.launched(tensor_parallel_size, self.device)
+        check_tensor_parallel(cfg, tp.size, with_mtp=num_spec > 0)
+        if tp.size > 1 and self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU
         if max_model_len is None:
             max_model_len = min(cfg.max_position_embeddings, 4096)
         if max_model_len < 2 or max_model_len > cfg.max_position_embeddings:
@@ -75,7 +88,7 @@ class LLM:
         if num_blocks is None:
             if kv_cache_memory is not None:
                 per_block = kv_bytes_per_block(cfg, len(cfg.full_layers) + (1 if num_spec else 0),
-                                               block_size, self.dtype)
+                                               block_size, self.dtype, tp.size)
                 num_blocks = max(kv_cache_memory // per_block, 0)
             else:
                 num_blocks = 1 + max_num_seqs * max_blocks
@@ -97,17 +110,24 @@ class LLM:
         from .models.qwen3_next import Qwen3NextForCausalLM
         from .attn.backend import select_backend
 
-        checkpoint_index(path)  # a missing or broken weights file is reported before any work
-        if num_spec > 0 and not has_mtp_weights(path):
-            raise ConfigError(f"num_spec={num_spec} needs the checkpoint's mtp.* weights, and {path} has "
-                              "none; use num_spec=0 or a checkpoint with an MTP head")
-        ops = select_backend(self.device, attn_backend)
-        self.model = Qwen3NextForCausalLM(cfg, ops, with_mtp=num_spec > 0)
-        load_checkpoint(self.model, path, self.dtype, self.device)
-        self.cache = allocate_cache(cfg, num_blocks=num_blocks, num_slots=num_state_slots,
-                                    block_size=block_size, num_spec=num_spec,
-                                    n_kv_layers=self.model.num_kv_layers, dtype=self.dtype,
-                                    device=self.device)
+        # Reading weights can fail on one rank only (a bad file, memory): every rank finishes
+        # this block, then all learn of any failure and raise, instead of the others hanging.
+        error = None
+        try:
+            checkpoint_index(path)  # a missing or broken weights file is reported before any work
+            if num_spec > 0 and not has_mtp_weights(path):
+                raise ConfigError(f"num_spec={num_spec} needs the checkpoint's mtp.* weights, and {path} "
+                                  "has none; use num_spec=0 or a checkpoint with an MTP head")
+            ops = select_backend(self.device, attn_backend)
+            self.model = Qwen3NextForCausalLM(cfg, ops, tp, with_mtp=num_spec > 0)
+            load_checkpoint(self.model, path, self.dtype, self.device)
+            self.cache = allocate_cache(cfg, num_blocks=num_blocks, num_slots=num_state_slots,
+                                        block_size=block_size, num_spec=num_spec,
+                                        n_kv_layers=self.model.num_kv_layers, dtype=self.dtype,
+                                        device=self.device, tp_size=tp.size)
+        except Exception as e:
+            error = e
+        tp.raise_if_any_failed(error, "loading the model")
         self.blocks = BlockAllocator(num_blocks)
         self.slots = SlotAllocator(num_state_slots, bundle)
         dispatch = None if enforce_eager else self.capture_plan.dispatch

@@ -1,11 +1,17 @@
-"""Tensor-parallel group: rank, size, how a dimension is split, and the one collective the
-linear family needs. Size 1 is the single-process case and does no communication."""
+"""Tensor-parallel group: rank, size, how a dimension is split, and the collectives the model
+and the engine need. Size 1 is the single-process case and does no communication.
+
+The transport is torch.distributed as `accelerate launch` (or torchrun) sets it up: NCCL on
+GPUs, gloo on CPU. Every rank runs the same engine on the same inputs; only weights differ.
+"""
 
 import dataclasses
+import os
 
 import torch
 import torch.distributed as dist
 
+from . import errors
 from .errors import ConfigError
 
 
@@ -26,24 +32,102 @@ class TP:
             return cls(rank=dist.get_rank(), size=dist.get_world_size())
         return cls()
 
+    @classmethod
+    def launched(cls, size: int | None, device: torch.device) -> "TP":
+        """The group for `tensor_parallel_size=size` (None: every launched process).
+
+        A job started by a launcher but not yet initialised (WORLD_SIZE > 1 in the environment)
+        is initialised here through accelerate, so `LLM(...)` alone works under
+        `accelerate launch`. TP uses every process of the job: there is no data or pipeline
+        parallelism to put the others in, so any other size is refused with the fix."""
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ConfigError(f"tensor_parallel_size={size!r} must be an int >= 1")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+            from accelerate import PartialState
+            PartialState(cpu=device.type == "cpu")
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        size = world if size is None else size
+        if size != world and world == 1:
+            raise ConfigError(
+                f"tensor_parallel_size={size} needs {size} processes, and this one runs alone: launch "
+                f"the script with `accelerate launch --multi_gpu --num_processes {size} script.py` (on "
+                "CPU add --num_machines 1 --mixed_precision no --dynamo_backend no and use "
+                "PartialState(cpu=True)), or torchrun --nproc_per_node "
+                f"{size}; or pass tensor_parallel_size=1")
+        if size != world:
+            raise ConfigError(
+                f"tensor_parallel_size={size} but the job was launched with {world} processes; tensor "
+                f"parallelism spans every launched process, so pass tensor_parallel_size={world} (or "
+                f"leave it unset) or launch {size} processes")
+        return cls.from_environment() if size > 1 else cls()
+
     def split(self, n: int, what: str = "dimension") -> int:
         if n % self.size:
             raise ConfigError(f"{what}={n} is not divisible by the tensor-parallel size {self.size}; "
                               f"use a tensor_parallel_size that divides {n}")
         return n // self.size
 
-    def shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
+    def shard(self, full, dim: int):
+        """This rank's equal part of `full` along `dim` (a tensor, or anything with .shape
+        and .narrow, such as the loader's not-yet-read checkpoint tensors)."""
         if self.size == 1:
             return full
         part = full.shape[dim] // self.size
         return full.narrow(dim, self.rank * part, part).contiguous()
+
+    def shard_padded(self, full, dim: int) -> torch.Tensor:
+        """Part ceil(n / size) of `full` along `dim`, zero-padded at the end of the last
+        ranks: lets the vocabulary be split over any number of ranks."""
+        if self.size == 1:
+            return full
+        n = full.shape[dim]
+        part = -(-n // self.size)
+        start = min(self.rank * part, n)
+        length = min(part, n - start)
+        pieces = [full.narrow(dim, start, length)] if length else []
+        shape = list(full.shape)
+        shape[dim] = part - length
+        if part > length:
+            pieces.append(torch.zeros(shape, dtype=pieces[0].dtype if pieces else torch.float32))
+        return torch.cat(pieces, dim=dim)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x concatenated along the last dim (rank order)."""
+        if self.size == 1:
+            return x
+        out = x.new_empty((self.size,) + tuple(x.shape))
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, x.contiguous(), group=self.group)
+        return torch.cat(out.unbind(0), dim=-1)
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.size > 1:
             dist.broadcast(x, src=src, group=self.group)
         return x
+
+    def raise_if_any_failed(self, error: Exception | None, what: str) -> None:
+        """Called by every rank after a phase that can fail on some ranks only (reading weights):
+        all learn whether any rank failed, and all raise. Otherwise a failed rank exits while the
+        others wait forever in their next collective."""
+        if self.size == 1:
+            if error is not None:
+                raise error
+            return
+        mine = None if error is None else (type(error).__name__, str(error))
+        everyone: list = [None] * self.size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        if error is not None:
+            raise error
+        failed = [(r, e) for r, e in enumerate(everyone) if e is not None]
+        if failed:
+            rank, (name, msg) = failed[0]
+            cls = getattr(errors, name, None)
+            cls = cls if isinstance(cls, type) and issubclass(cls, errors.MtpkitError) else RuntimeError
+            others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+            raise cls(f"tensor-parallel rank {rank}{others} failed while {what}, so every rank stops: "
+                      f"{name}: {msg}")

@@ -364,3 +364,13 @@ def test_checked_in_debug_mode(kernels):
         tc.causal_conv1d_verify(x, w, pool, torch.tensor([1, 2], device=DEVICE),
                                 torch.tensor([2, 1], device=DEVICE))
     assert trace.entries[-1].dims["bundle"] == 2
+
+
+def test_triton_backend_refused_without_cuda_or_interpreter(kernels, monkeypatch):
+    from mtpkit.attn import triton_backend
+    from mtpkit.errors import ConfigError
+
+    monkeypatch.setattr(triton_backend, "_interpreted", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="attn_backend='torch'"):
+        triton_backend.make_triton_backend()

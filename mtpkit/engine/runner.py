@@ -2,6 +2,11 @@
 
 Prefill steps run eager. Verify steps go through `uniform_forward`, which a graph runner
 (mtpkit.graphs) replaces with captured replays; padded rows are inert by construction.
+
+Under tensor parallelism every rank runs this same code on the same inputs. The sampled tokens,
+accepted counts and drafts decide the next step's inputs on every rank (and so what the model's
+collectives combine), so rank 0's are broadcast: identical decisions do not rest on identical
+generator streams or on every rank's argmax breaking ties alike.
 """
 
 import torch
@@ -24,6 +29,7 @@ class ModelRunner:
                  device: torch.device, plan: CapturePlan | None = None):
         """`plan` None: every step eager. Otherwise verify steps run through the graph runner."""
         self.model, self.cache, self.cfg, self.device = model, cache, ecfg, device
+        self.tp = model.tp
         self.proposer = MTPProposer(model, ecfg.num_spec, ecfg.block_size) if ecfg.num_spec > 0 else None
         self.graphs = None
         if plan is not None:
@@ -60,7 +66,7 @@ class ModelRunner:
             tokens, _ = rejection_sample(logits, empty, torch.zeros(len(done), dtype=torch.int64,
                                                                     device=self.device),
                                          st, [r.generator for r in sub])
-            sampled = tokens[:, 0].tolist()
+            sampled = self.tp.broadcast(tokens[:, 0].contiguous()).tolist()
             for i, t in zip(done, sampled):
                 results[i].emitted = [t]
         if self.proposer is not None:
@@ -78,6 +84,7 @@ class ModelRunner:
                 last = meta.logits_indices[done]
                 drafts = self.proposer.propose(hidden, next_tokens, positions, meta, self.cache, last,
                                                meta.block_table[done])
+                drafts = self.tp.broadcast(drafts.contiguous())
                 for i, d in zip(done, drafts.tolist()):
                     results[i].drafts = d
             else:  # fill the MTP layer's KV for these positions; no drafts yet
@@ -103,6 +110,9 @@ class ModelRunner:
         limit = torch.tensor(limit_list, dtype=torch.int64, device=self.device)
         st = SamplingTensors.from_params([r.params for r in reqs], self.device)
         tokens, n_emit = rejection_sample(logits, drafts, limit, st, [r.generator for r in reqs])
+        if self.tp.size > 1:  # one broadcast for both
+            both = self.tp.broadcast(torch.cat([tokens, n_emit[:, None]], dim=1))
+            tokens, n_emit = both[:, :B], both[:, B]
         n_list, tok_list = n_emit.tolist(), tokens.tolist()
         new_drafts = [[] for _ in reqs]
         if self.proposer is not None:
@@ -120,5 +130,5 @@ class ModelRunner:
             else:
                 drafts_out = self.proposer.propose(hidden, nxt.view(-1), positions, meta, self.cache, last,
                                                    meta.block_table)
-            new_drafts = drafts_out[:R].tolist()
+            new_drafts = self.tp.broadcast(drafts_out[:R].contiguous()).tolist()
         return [ReqResult(tok_list[i][:n_list[i]], n_list[i], limit_list[i], new_drafts[i]) for i in range(R)]

@@ -17,21 +17,33 @@ class Linear(nn.Module):
     """y = x W^T, W [out, in]. Replicated: every rank holds all of W."""
 
     shard_dim: int | None = None  # weight dim split across TP ranks (0: out, 1: in)
+    replicate_blocks = False      # fewer blocks than ranks: replicate blocks instead of refusing
 
-    def __init__(self, in_features: int, out_features: int, tp: TP | None = None):
+    def __init__(self, in_features: int, out_features: int, tp: TP | None = None, block: int = 1):
+        """`block`: the sharded dim is split in whole blocks of this many rows (heads)."""
         super().__init__()
-        self.tp = tp or TP.single()
+        self.tp, self.block = tp or TP.single(), block
         self.full_shape = (out_features, in_features)
         shape = list(self.full_shape)
         if self.shard_dim is not None:
-            shape[self.shard_dim] = self.tp.split(shape[self.shard_dim], what=type(self).__name__)
+            shape[self.shard_dim] = self._part()[1]
         self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
 
-    def load_full(self, full: Tensor) -> Tensor:
-        """This rank's part of a full checkpoint tensor."""
-        if self.shard_dim is None:
+    def _part(self) -> tuple[int, int]:
+        """(start, length) of this rank's slice of the sharded dim."""
+        tp, blocks = self.tp, self.full_shape[self.shard_dim] // self.block
+        if self.replicate_blocks and blocks < tp.size and tp.size % blocks == 0:
+            # Block b lives on ranks b * size/blocks ... (b+1) * size/blocks - 1.
+            return tp.rank // (tp.size // blocks) * self.block, self.block
+        per = tp.split(blocks, what=type(self).__name__) * self.block
+        return tp.rank * per, per
+
+    def load_full(self, full):
+        """This rank's part of a full checkpoint tensor (or of a not-yet-read one: anything
+        with .narrow reads only the slice)."""
+        if self.shard_dim is None or self.tp.size == 1:
             return full
-        return self.tp.shard(full, self.shard_dim)
+        return full.narrow(self.shard_dim, *self._part()).contiguous()
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight)
@@ -50,6 +62,36 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.tp.all_reduce(F.linear(x, self.weight))
+
+
+class KVParallelLinear(ColumnParallelLinear):
+    """k_proj / v_proj: whole KV heads per rank. With fewer KV heads than ranks each head is
+    replicated on size/kv consecutive ranks, which are exactly the ranks holding the query
+    heads that attend to it (query heads are split evenly, in order)."""
+
+    replicate_blocks = True
+
+    def __init__(self, in_features: int, num_kv_heads: int, head_dim: int, tp: TP):
+        super().__init__(in_features, num_kv_heads * head_dim, tp, block=head_dim)
+
+
+def vocab_parallel_embedding(token_ids: Tensor, weight: Tensor, tp: TP) -> Tensor:
+    """Rows of a vocab-sharded table (rank r holds ids r*part ...): each rank looks up the ids it
+    holds, zeros elsewhere, one all-reduce (exact: one non-zero term per element)."""
+    if tp.size == 1:
+        return F.embedding(token_ids, weight)
+    part = weight.shape[0]
+    local = token_ids - tp.rank * part
+    outside = (local < 0) | (local >= part)
+    x = F.embedding(local.clamp(0, part - 1), weight).masked_fill(outside[:, None], 0.0)
+    return tp.all_reduce(x)
+
+
+def vocab_parallel_logits(hidden: Tensor, weight: Tensor, tp: TP, vocab: int) -> Tensor:
+    """Logits over a vocab-sharded head, gathered so every rank holds all of them (the sampler
+    and the drafter then see identical values on every rank); padding columns dropped."""
+    logits = F.linear(hidden, weight)
+    return logits if tp.size == 1 else tp.all_gather(logits)[..., :vocab]
 
 
 class RMSNorm(nn.Module):
@@ -131,17 +173,21 @@ class SparseMoE(nn.Module):
     with fused weights (w13 = [gate; up] per expert, as transformers fuses them on load); a
     shared expert scaled by sigmoid(shared_expert_gate(x)). Output = routed + gated shared.
 
-    Tensor parallelism splits every expert's intermediate dim (w13 rows, w2 columns): one
-    all-reduce for routed + shared together."""
+    Tensor parallelism shards the experts: rank r holds whole experts r*E/size ... and computes
+    only their share of the routed sum (the router is replicated, so every rank routes alike);
+    the shared expert is split like an MLP. One all-reduce sums routed + shared together.
+    Whole experts (not slices of each) keep every expert's matmuls full-sized and let each
+    rank read only its experts from the checkpoint."""
 
     def __init__(self, hidden: int, num_experts: int, topk: int, intermediate: int,
                  shared_intermediate: int, norm_topk: bool, tp: TP):
         super().__init__()
         self.tp, self.topk, self.norm_topk = tp, topk, norm_topk
         self.gate = Linear(hidden, num_experts, tp)
-        inter = tp.split(intermediate, what="moe_intermediate_size")
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter), requires_grad=False)
+        self.num_local = tp.split(num_experts, what="num_experts")
+        self.first = tp.rank * self.num_local  # global id of this rank's first expert
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * intermediate, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden, intermediate), requires_grad=False)
         self.shared_expert = MLP(hidden, shared_intermediate, tp) if shared_intermediate > 0 else None
         self.shared_expert_gate = Linear(hidden, 1, tp) if shared_intermediate > 0 else None
 
@@ -175,8 +221,9 @@ class SparseMoE(nn.Module):
         return self.tp.all_reduce(out)
 
     def _dense(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
-        E = self.w13.shape[0]
+        E = self.gate.weight.shape[0]
         gate = torch.zeros(x.shape[0], E, dtype=x.dtype, device=x.device).scatter(1, experts, weights)
+        gate = gate[:, self.first:self.first + self.num_local]                # this rank's experts
         g, u = torch.einsum("th,eih->tei", x, self.w13).chunk(2, dim=-1)      # [T, E, I]
         y = torch.einsum("tei,ehi->teh", F.silu(g) * u, self.w2)              # [T, E, H]
         return torch.einsum("teh,te->th", y, gate)
@@ -185,15 +232,16 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(x)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.gate.weight.shape[0]).tolist()
         token_of = order // self.topk
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
             idx, tok = order[start:start + n], token_of[start:start + n]
             start += n
-            g, u = F.linear(x[tok], self.w13[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(g) * u, self.w2[e]) * weights.flatten()[idx, None]
+            local = e - self.first
+            if n == 0 or not 0 <= local < self.num_local:  # not routed here, or another rank's
+                continue
+            g, u = F.linear(x[tok], self.w13[local]).chunk(2, dim=-1)
+            y = F.linear(F.silu(g) * u, self.w2[local]) * weights.flatten()[idx, None]
             out.index_add_(0, tok, y)
         return out

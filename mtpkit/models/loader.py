@@ -2,8 +2,9 @@
 model, by the checkpoint's own names.
 
 Every check runs on the safetensors headers first (names and shapes, no data read), and every
-missing, unexpected or misshapen weight is reported in one `CheckpointError`. Each
-tensor-parallel rank then reads only the slices its parameters hold.
+missing, unexpected or misshapen weight is reported in one `CheckpointError` (every rank checks
+the whole checkpoint, so all ranks agree on it). Each tensor-parallel rank then reads only the
+slices its parameters hold: tensors are opened lazily (`Stored`) and read by `.narrow`.
 """
 
 import dataclasses
@@ -24,6 +25,26 @@ class WeightSpec:
     param: torch.nn.Parameter
     sources: dict[str, tuple[int, ...]]           # checkpoint name -> expected full shape
     assemble: Callable[[dict[str, torch.Tensor]], torch.Tensor]  # full tensors -> this rank's param
+
+
+class Stored:
+    """A checkpoint tensor not read yet. `.narrow` reads just that slice from the file (what a
+    tensor-parallel rank needs); `.read()` the whole tensor."""
+
+    def __init__(self, sl):
+        self._sl, self.shape = sl, torch.Size(sl.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        idx = [slice(None)] * len(self.shape)
+        idx[dim] = slice(start, start + length)
+        return self._sl[tuple(idx)]
+
+    def read(self) -> torch.Tensor:
+        return self._sl[:]
+
+
+def _tensor(x) -> torch.Tensor:
+    return x.read() if isinstance(x, Stored) else x
 
 
 def checkpoint_index(path: Path) -> dict[str, Path]:
@@ -63,9 +84,12 @@ def _param_specs(model: Qwen3NextForCausalLM) -> list[WeightSpec]:
     modules = dict(model.named_modules())
     specs: list[WeightSpec] = []
     V, H = cfg.vocab_size, cfg.hidden_size
-    specs.append(WeightSpec(model.embed_tokens, {"model.embed_tokens.weight": (V, H)}, lambda t: next(iter(t.values()))))
+    # Vocab-parallel: rank r holds rows r*ceil(V/size) ... (zero-padded past V).
+    specs.append(WeightSpec(model.embed_tokens, {"model.embed_tokens.weight": (V, H)},
+                            lambda t: tp.shard_padded(next(iter(t.values())), 0)))
     if model.lm_head is not None:
-        specs.append(WeightSpec(model.lm_head, {"lm_head.weight": (V, H)}, lambda t: next(iter(t.values()))))
+        specs.append(WeightSpec(model.lm_head, {"lm_head.weight": (V, H)},
+                                lambda t: tp.shard_padded(next(iter(t.values())), 0)))
     for pname, p in model.named_parameters():
         if pname in ("embed_tokens", "lm_head"):
             continue
@@ -90,27 +114,32 @@ def _param_specs(model: Qwen3NextForCausalLM) -> list[WeightSpec]:
 def _conv_spec(owner: GatedDeltaNet, p, prefix: str, cfg, tp) -> WeightSpec:
     # Channels are [q (Dk) | k (Dk) | v (Dv)]: each segment is sharded on its own.
     def assemble(t):
-        w = next(iter(t.values())).squeeze(1)
-        q, k, v = w.split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=0)
-        return torch.cat([tp.shard(q, 0), tp.shard(k, 0), tp.shard(v, 0)], dim=0)
+        w, parts, start = next(iter(t.values())), [], 0
+        for seg in (cfg.key_dim, cfg.key_dim, cfg.value_dim):
+            part = seg // tp.size
+            parts.append(w.narrow(0, start + tp.rank * part, part))
+            start += seg
+        return torch.cat(parts, dim=0).squeeze(1)
 
     return WeightSpec(p, {prefix + ".conv1d.weight": (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim)}, assemble)
 
 
 def _expert_spec(p, leaf: str, prefix: str, cfg, tp) -> WeightSpec:
+    # Every expert is checked; only this rank's experts (see SparseMoE) are read.
     E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    ex = prefix + ".experts"
+    ex, n = prefix + ".experts", E // tp.size
+    mine = range(tp.rank * n, (tp.rank + 1) * n)
     if leaf == "w13":
         names = {f"{ex}.{e}.{w}.weight": (inter, H) for e in range(E) for w in ("gate_proj", "up_proj")}
 
         def assemble(t):
-            return torch.stack([torch.cat([tp.shard(t[f"{ex}.{e}.gate_proj.weight"], 0),
-                                           tp.shard(t[f"{ex}.{e}.up_proj.weight"], 0)]) for e in range(E)])
+            return torch.stack([torch.cat([_tensor(t[f"{ex}.{e}.gate_proj.weight"]),
+                                           _tensor(t[f"{ex}.{e}.up_proj.weight"])]) for e in mine])
     else:
         names = {f"{ex}.{e}.down_proj.weight": (H, inter) for e in range(E)}
 
         def assemble(t):
-            return torch.stack([tp.shard(t[f"{ex}.{e}.down_proj.weight"], 1) for e in range(E)])
+            return torch.stack([_tensor(t[f"{ex}.{e}.down_proj.weight"]) for e in mine])
     return WeightSpec(p, names, assemble)
 
 
@@ -164,20 +193,20 @@ def load_checkpoint(model: Qwen3NextForCausalLM, path: str | Path, dtype: torch.
     handles: dict[Path, object] = {}
     cache: dict[str, torch.Tensor] = {}
 
-    def read(n):
+    def read(n):  # nothing is read from the file until a spec narrows or reads it
         if n in shapes:
             f = index[n]
             if f not in handles:
                 handles[f] = safe_open(f, "pt")
-            return handles[f].get_tensor(n)
+            return Stored(handles[f].get_slice(n))
         src, fn = aliases[n]
         if src not in cache:
-            cache[src] = read(src)
+            cache[src] = _tensor(read(src))
         return fn(cache[src])
 
     with torch.no_grad():
         for spec in specs:
-            value = spec.assemble({n: read(n) for n in spec.sources})
+            value = _tensor(spec.assemble({n: read(n) for n in spec.sources}))
             spec.param.data = value.to(dtype=dtype, device=device).contiguous()
     handles.clear()
     for buf in model.buffers():  # RoPE frequencies stay fp32

@@ -6,19 +6,49 @@ shared/reference/qwen3_next.md; transformers 5.24 is the oracle for its logits.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..attn.backend import AttnBackend
 from ..attn.metadata import PrefillMetadata, UniformMetadata
 from ..config import FULL, Qwen3NextConfig
 from ..engine.cache import CacheTensors
+from ..errors import ConfigError
 from ..parallel import TP
 from ..shapes import Float, Int, Tensor, checked
-from .layers import (MLP, ColumnParallelLinear, GatedRMSNorm, Linear, PartialRoPE, RMSNorm,
-                     RowParallelLinear, SparseMoE)
+from .layers import (MLP, ColumnParallelLinear, GatedRMSNorm, KVParallelLinear, Linear, PartialRoPE,
+                     RMSNorm, RowParallelLinear, SparseMoE, vocab_parallel_embedding,
+                     vocab_parallel_logits)
 
 Metadata = PrefillMetadata | UniformMetadata
+
+
+def check_tensor_parallel(cfg: Qwen3NextConfig, size: int, with_mtp: bool) -> None:
+    """ConfigError naming every dimension that `size` ranks cannot split. Needs config.json
+    only, so the user hears all of them before any weight is read."""
+    if size < 2:
+        return
+    layers = range(cfg.num_hidden_layers)
+    moe = any(cfg.is_moe_layer(i) for i in layers) or (with_mtp and cfg.num_experts > 0)
+    dense = any(not cfg.is_moe_layer(i) for i in layers) or (with_mtp and cfg.num_experts == 0)
+    need = {}
+    if cfg.full_layers or with_mtp:
+        need["num_attention_heads"] = cfg.num_attention_heads
+    if cfg.linear_layers:
+        need["linear_num_key_heads"] = cfg.linear_num_key_heads      # whole key-head groups per rank
+        need["linear_num_value_heads"] = cfg.linear_num_value_heads
+    if moe:
+        need["num_experts"] = cfg.num_experts                        # whole experts per rank
+        need["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    if dense:
+        need["intermediate_size"] = cfg.intermediate_size
+    problems = [f"{name}={n} is not divisible by {size}" for name, n in need.items() if n % size]
+    kv = cfg.num_key_value_heads
+    if (cfg.full_layers or with_mtp) and kv % size and size % kv:
+        # Fewer KV heads than ranks are replicated, which needs them to spread evenly.
+        problems.append(f"num_key_value_heads={kv} neither divides nor is divisible by {size}")
+    if problems:
+        raise ConfigError(f"tensor_parallel_size={size} cannot split this model: " + "; ".join(problems)
+                          + "; choose a tensor_parallel_size that divides all of them")
 
 
 class FullAttention(nn.Module):
@@ -28,12 +58,13 @@ class FullAttention(nn.Module):
     def __init__(self, cfg: Qwen3NextConfig, kv_index: int, tp: TP, ops: AttnBackend):
         super().__init__()
         self.kv_index, self.ops, self.hd = kv_index, ops, cfg.head_dim
+        # Query heads split evenly (q_proj rows are [q | gate] per head, so whole heads);
+        # KV heads split too, or replicated when there are fewer than ranks.
         self.heads = tp.split(cfg.num_attention_heads, what="num_attention_heads")
-        # KV heads are replicated when there are fewer than ranks (issue: tensor parallelism).
-        self.kv_heads = max(1, cfg.num_key_value_heads // tp.size)
         self.q_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_attention_heads * self.hd * 2, tp)
-        self.k_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_key_value_heads * self.hd, tp)
-        self.v_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_key_value_heads * self.hd, tp)
+        self.k_proj = KVParallelLinear(cfg.hidden_size, cfg.num_key_value_heads, self.hd, tp)
+        self.v_proj = KVParallelLinear(cfg.hidden_size, cfg.num_key_value_heads, self.hd, tp)
+        self.kv_heads = self.k_proj.weight.shape[0] // self.hd
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.hd, cfg.hidden_size, tp)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
@@ -73,7 +104,11 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv, self.W = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
         self.r = self.hv // self.hk
         H = cfg.hidden_size
-        # Whole key-head groups are contiguous in both projections, so column sharding is plain.
+        # Both projections are laid out per key-head group ([HK, dk|dk|r*dv|r*dv] and
+        # [HK, r|r], as HF's fix_query_key_value_ordering reads them), so contiguous column
+        # shards are whole groups; the group's value heads (and A_log, dt_bias, out_proj
+        # columns) are then also this rank's contiguous block. The conv weight is [q|k|v]: the
+        # loader shards each segment on its own.
         self.in_proj_qkvz = ColumnParallelLinear(H, 2 * cfg.key_dim + 2 * cfg.value_dim, tp)
         self.in_proj_ba = ColumnParallelLinear(H, 2 * cfg.linear_num_value_heads, tp)
         conv_dim = 2 * self.hk * self.dk + self.hv * self.dv
@@ -150,7 +185,7 @@ class MTPModule(nn.Module):
         H = cfg.hidden_size
         self.pre_fc_norm_embedding = RMSNorm(H, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(H, cfg.rms_norm_eps)
-        self.fc = Linear(2 * H, H, tp)
+        self.fc = Linear(2 * H, H, tp)  # replicated (small); its decoder layer is sharded as the target's
         self.layers = nn.ModuleList([
             DecoderLayer(cfg, FULL, cfg.num_experts > 0, first_kv_index + i, tp, ops)
             for i in range(cfg.num_nextn_predict_layers)])
@@ -170,7 +205,9 @@ class Qwen3NextForCausalLM(nn.Module):
         tp = tp or TP.single()
         self.cfg, self.tp = cfg, tp
         H, V = cfg.hidden_size, cfg.vocab_size
-        self.embed_tokens = nn.Parameter(torch.empty(V, H), requires_grad=False)
+        # Embedding and lm_head are vocab-parallel: ceil(V / size) rows per rank (zero-padded).
+        Vp = -(-V // tp.size)
+        self.embed_tokens = nn.Parameter(torch.empty(Vp, H), requires_grad=False)
         layers, n_full, n_lin = [], 0, 0
         for i, kind in enumerate(cfg.layer_types):
             idx = n_full if kind == FULL else n_lin
@@ -178,12 +215,12 @@ class Qwen3NextForCausalLM(nn.Module):
             layers.append(DecoderLayer(cfg, kind, cfg.is_moe_layer(i), idx, tp, ops))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(V, H), requires_grad=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(Vp, H), requires_grad=False)
         self.mtp = MTPModule(cfg, n_full, tp, ops) if with_mtp else None
         self.num_kv_layers = n_full + (cfg.num_nextn_predict_layers if with_mtp else 0)
 
     def embed(self, token_ids: Tensor) -> Tensor:
-        return F.embedding(token_ids, self.embed_tokens)
+        return vocab_parallel_embedding(token_ids, self.embed_tokens, self.tp)
 
     @checked
     def forward(self, token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
@@ -205,4 +242,4 @@ class Qwen3NextForCausalLM(nn.Module):
     @checked
     def compute_logits(self, hidden: Float[Tensor, "num_logits hidden"]) -> Float[Tensor, "num_logits vocab"]:
         w = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, w)
+        return vocab_parallel_logits(hidden, w, self.tp, self.cfg.vocab_size)
