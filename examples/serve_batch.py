@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"acceptance: {llm.stats}")
         print(f"wrote {args.output}")
     state.wait_for_everyone()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 0
 
 

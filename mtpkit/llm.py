@@ -47,10 +47,14 @@ class LLM:
                  kv_cache_memory: int | None = None, max_num_batched_tokens: int = 2048,
                  graph_sizes: Sequence[int] | None = None,
                  cudagraph_capture_sizes: Sequence[int] | None = None,
-                 attn_backend: str | None = None, tensor_parallel_size: int | None = None):
+                 attn_backend: str | None = None, tensor_parallel_size: int | None = None,
+                 load_format: str = "safetensors"):
         """tensor_parallel_size: ranks the model is split over; None means every process of
         the launched job (`accelerate launch` / torchrun), 1 when not launched. It must equal
-        the launched world size. Every rank runs the engine and returns the same outputs."""
+        the launched world size. Every rank runs the engine and returns the same outputs.
+        load_format "dummy": random weights from config.json alone (benchmarks, GPU checks)."""
+        if load_format not in ("safetensors", "dummy"):
+            raise ConfigError(f"load_format={load_format!r} must be 'safetensors' or 'dummy'")
         path = resolve_model(model)
         self.model_path = path
         self.model_config = cfg = Qwen3NextConfig.from_file(path)
@@ -73,8 +77,7 @@ class LLM:
             check_tensor_parallel(cfg, tensor_parallel_size, with_mtp=num_spec > 0)
         self.tp = tp = TP.launched(tensor_parallel_size, self.device)
         check_tensor_parallel(cfg, tp.size, with_mtp=num_spec > 0)
-        if tp.size > 1 and self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU
+        self.device = tp.rank_device(self.device)
         if max_model_len is None:
             max_model_len = min(cfg.max_position_embeddings, 4096)
         if max_model_len < 2 or max_model_len > cfg.max_position_embeddings:
@@ -108,19 +111,24 @@ class LLM:
             graph_sizes=graph_sizes, cudagraph_capture_sizes=cudagraph_capture_sizes)
         from .models.loader import checkpoint_index, has_mtp_weights, load_checkpoint
         from .models.qwen3_next import Qwen3NextForCausalLM
+        from .models.dummy import init_dummy_weights
         from .attn.backend import select_backend
 
         # Reading weights can fail on one rank only (a bad file, memory): every rank finishes
         # this block, then all learn of any failure and raise, instead of the others hanging.
         error = None
         try:
-            checkpoint_index(path)  # a missing or broken weights file is reported before any work
-            if num_spec > 0 and not has_mtp_weights(path):
-                raise ConfigError(f"num_spec={num_spec} needs the checkpoint's mtp.* weights, and {path} "
-                                  "has none; use num_spec=0 or a checkpoint with an MTP head")
+            if load_format == "safetensors":
+                checkpoint_index(path)  # a missing or broken weights file is reported before any work
+                if num_spec > 0 and not has_mtp_weights(path):
+                    raise ConfigError(f"num_spec={num_spec} needs the checkpoint's mtp.* weights, and {path} "
+                                      "has none; use num_spec=0 or a checkpoint with an MTP head")
             ops = select_backend(self.device, attn_backend)
             self.model = Qwen3NextForCausalLM(cfg, ops, tp, with_mtp=num_spec > 0)
-            load_checkpoint(self.model, path, self.dtype, self.device)
+            if load_format == "dummy":
+                init_dummy_weights(self.model, self.dtype, self.device, seed)
+            else:
+                load_checkpoint(self.model, path, self.dtype, self.device)
             self.cache = allocate_cache(cfg, num_blocks=num_blocks, num_slots=num_state_slots,
                                         block_size=block_size, num_spec=num_spec,
                                         n_kv_layers=self.model.num_kv_layers, dtype=self.dtype,

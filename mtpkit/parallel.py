@@ -61,6 +61,12 @@ class TP:
                 f"leave it unset) or launch {size} processes")
         return cls.from_environment() if size > 1 else cls()
 
+    def rank_device(self, device: torch.device) -> torch.device:
+        """A bare "cuda" means this rank's own GPU (LOCAL_RANK, as launchers set it), not GPU 0."""
+        if self.size == 1 or device.type != "cuda" or device.index is not None:
+            return device
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+
     def split(self, n: int, what: str = "dimension") -> int:
         if n % self.size:
             raise ConfigError(f"{what}={n} is not divisible by the tensor-parallel size {self.size}; "
@@ -100,10 +106,11 @@ class TP:
         """Every rank's x concatenated along the last dim (rank order)."""
         if self.size == 1:
             return x
-        out = x.new_empty((self.size,) + tuple(x.shape))
+        # Gathered along the first dim (the form every backend takes), then laid side by side.
+        out = x.new_empty((self.size * x.shape[0],) + tuple(x.shape[1:]))
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(out, x.contiguous(), group=self.group)
-        return torch.cat(out.unbind(0), dim=-1)
+        return torch.cat(out.chunk(self.size, dim=0), dim=-1)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.size > 1:

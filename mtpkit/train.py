@@ -49,6 +49,7 @@ from .attn.metadata import PrefillChunk, build_prefill
 from .config import FULL, LINEAR, Qwen3NextConfig
 from .engine.cache import CacheTensors, allocate_cache
 from .models.layers import GatedRMSNorm, Linear, RMSNorm, SparseMoE
+from .models.loader import load_checkpoint
 from .models.qwen3_next import GatedDeltaNet, Qwen3NextForCausalLM
 
 EOS_TOKEN = "<|endoftext|>"
@@ -223,6 +224,11 @@ def _tokenizer_probe_texts(seed: int = 0) -> list[str]:
 def build_model(kwargs: dict, seed: int) -> Qwen3NextForCausalLM:
     model = Qwen3NextForCausalLM(mtpkit_config(kwargs), ops=TORCH, with_mtp=True)
     init_parameters(model, seed, kwargs.get("initializer_range", 0.02))
+    for m in model.modules():
+        if isinstance(m, SparseMoE) and hasattr(m, "dense_limit"):
+            # Training steps (B*T tokens) take the grouped path, which runs only the experts each
+            # token picks; the engine's dense small-step path would run all 8 for every token.
+            m.dense_limit = 0
     return model
 
 
@@ -322,8 +328,6 @@ def export_checkpoint(model: Qwen3NextForCausalLM, kwargs: dict, out_dir: Path,
 def verify_export(model: Qwen3NextForCausalLM, path: Path, dtype: torch.dtype) -> None:
     """Reload with mtpkit's own loader: every parameter must come back (rounded to dtype)."""
     from tokenizers import Tokenizer
-
-    from .models.loader import load_checkpoint
 
     cfg = Qwen3NextConfig.from_file(path)
     fresh = Qwen3NextForCausalLM(cfg, ops=TORCH, with_mtp=True)
@@ -564,8 +568,11 @@ def train(a: TrainArgs, log=print) -> Qwen3NextForCausalLM:
                                      "rng": g.get_state(), "step": step, "elapsed": time.time() - t0,
                                      "args": dataclasses.asdict(a)})
         if step % a.export_every == 0 and step < a.steps:
-            export_checkpoint(model, kwargs, work / "export", DTYPES[a.dtype])
-            log(f"exported step {step} to {work / 'export'}")
+            try:  # an intermediate export is a convenience: never let it stop the run
+                export_checkpoint(model, kwargs, work / "export", DTYPES[a.dtype])
+                log(f"exported step {step} to {work / 'export'}")
+            except Exception as e:  # noqa: BLE001
+                log(f"export at step {step} failed ({type(e).__name__}: {e}); training goes on")
     if probe is not None:
         for h in probe.handles:
             h.remove()

@@ -1,8 +1,9 @@
 """Building blocks shared by the models: the linear-layer family, norms, RoPE, MLP and MoE.
 
-All linear layers go through `Linear` and its two parallel forms, so that tensor parallelism
-shards weights (and loads only its slices) in one place: `shard_dim` says which weight dim is
-split, `reduce` whether the output is all-reduced across the tensor-parallel group.
+All linear layers go through `Linear` and its parallel forms (column, row, KV heads), so that
+tensor parallelism shards weights (and loads only its slices) in one place: `shard_dim` says
+which weight dim is split; a row-parallel output is all-reduced (one all-reduce each). The
+vocabulary-parallel embedding and lm_head are the two functions after them.
 """
 
 import torch
@@ -209,7 +210,8 @@ class SparseMoE(nn.Module):
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens hidden"]:
         weights, experts = self.route(x)
-        if x.shape[0] * self.w13.shape[0] <= self.dense_limit:
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if capturing or x.shape[0] * self.w13.shape[0] <= self.dense_limit:
             out = self._dense(x, weights, experts)
         else:
             out = self._grouped(x, weights, experts)

@@ -24,7 +24,7 @@ from .qwen3_next import GatedDeltaNet, Qwen3NextForCausalLM
 class WeightSpec:
     param: torch.nn.Parameter
     sources: dict[str, tuple[int, ...]]           # checkpoint name -> expected full shape
-    assemble: Callable[[dict[str, torch.Tensor]], torch.Tensor]  # full tensors -> this rank's param
+    assemble: Callable[[dict], torch.Tensor]  # full (Stored) tensors -> this rank's param
 
 
 class Stored:

@@ -203,6 +203,7 @@ class Qwen3NextForCausalLM(nn.Module):
     def __init__(self, cfg: Qwen3NextConfig, ops: AttnBackend, tp: TP | None = None, with_mtp: bool = False):
         super().__init__()
         tp = tp or TP.single()
+        check_tensor_parallel(cfg, tp.size, with_mtp)
         self.cfg, self.tp = cfg, tp
         H, V = cfg.hidden_size, cfg.vocab_size
         # Embedding and lm_head are vocab-parallel: ceil(V / size) rows per rank (zero-padded).
