@@ -44,7 +44,8 @@ class LLM:
                  max_model_len: int | None = None, dtype="auto", device=None,
                  enforce_eager: bool = False, seed: int = 0, block_size: int = 16,
                  num_blocks: int | None = None, num_state_slots: int | None = None,
-                 kv_cache_memory: int | None = None, max_num_batched_tokens: int = 2048,
+                 kv_cache_memory: int | None = None, state_cache_memory: int | None = None,
+                 max_num_batched_tokens: int = 2048,
                  graph_sizes: Sequence[int] | None = None,
                  cudagraph_capture_sizes: Sequence[int] | None = None,
                  attn_backend: str | None = None, tensor_parallel_size: int | None = None,
@@ -64,7 +65,8 @@ class LLM:
         for name, v in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
                         ("max_num_batched_tokens", max_num_batched_tokens), ("seed", seed),
                         ("max_model_len", max_model_len), ("num_blocks", num_blocks),
-                        ("num_state_slots", num_state_slots), ("kv_cache_memory", kv_cache_memory)):
+                        ("num_state_slots", num_state_slots), ("kv_cache_memory", kv_cache_memory),
+                        ("state_cache_memory", state_cache_memory)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ConfigError(f"{name}={v!r} must be an int")
         if not isinstance(num_spec, int) or isinstance(num_spec, bool) or not 0 <= num_spec <= 8:
@@ -99,6 +101,10 @@ class LLM:
             raise ConfigError(f"num_blocks={num_blocks} cannot hold one sequence of max_model_len="
                               f"{max_model_len} (needs {max_blocks} blocks of {block_size} plus the null "
                               "block); give more KV memory or lower max_model_len")
+        if num_state_slots is None and state_cache_memory is not None:
+            state_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+            num_state_slots = state_cache_memory // state_bytes_per_slot(cfg, num_spec, self.dtype,
+                                                                         state_dtype, tp.size)
         num_state_slots = num_state_slots or 1 + max_num_seqs * bundle
         self.engine_config = ecfg = EngineConfig(
             num_spec=num_spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,

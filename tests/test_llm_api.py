@@ -57,3 +57,39 @@ def test_stats_aggregate_over_requests(ck):
     assert s.verify_steps == sum(o.spec_stats.verify_steps for o in outs)
     assert s.num_drafted == sum(o.spec_stats.num_drafted for o in outs)
     assert len(s.acceptance_rate_per_position) == 3
+
+
+def test_slots_and_blocks_reused_without_leaking_state(ck):
+    """max_num_seqs=1: every request reuses the previous one's KV blocks and GDN slots; each
+    output equals the output of a fresh engine."""
+    prompts = [[7] * 30, [1, 2, 3], list(range(40, 90))]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    for k in (0, 2):
+        llm = LLM(ck, dtype="float64", num_spec=k, max_num_seqs=1)
+        outs = [o.token_ids for o in llm.generate(prompts, sp)]
+        fresh = [LLM(ck, dtype="float64", num_spec=k).generate([p], sp)[0].token_ids for p in prompts]
+        assert outs == fresh
+        assert llm.blocks.num_free == llm.blocks.num_blocks - 1 and llm.slots.num_free == llm.slots.capacity
+
+
+def test_preemption_recomputes_without_changing_output(ck):
+    """A KV pool that holds two sequences at most: requests are preempted, recomputed from
+    prompt + generated tokens, and still produce exactly their greedy outputs."""
+    prompts = [list(range(1 + i, 40 + i)) for i in range(4)]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    for k in (0, 3):
+        ref = [o.token_ids for o in LLM(ck, dtype="float64", num_spec=k).generate(prompts, sp)]
+        blocks_per_seq = -(-(64 + 2 * k) // 16)
+        llm = LLM(ck, dtype="float64", num_spec=k, max_num_seqs=4, max_model_len=64,
+                  num_blocks=1 + blocks_per_seq + 2)
+        outs = llm.generate(prompts, sp)
+        assert [o.token_ids for o in outs] == ref
+        assert sum(o.num_preemptions for o in outs) > 0, "the pool was meant to force preemption"
+
+
+def test_pools_sized_from_memory_budgets(ck):
+    from mtpkit.engine.cache import kv_bytes_per_block, state_bytes_per_slot
+    llm = LLM(ck, dtype="float32", num_spec=2, kv_cache_memory=4 << 20, state_cache_memory=1 << 20)
+    cfg = llm.model_config
+    assert llm.cache.num_blocks == (4 << 20) // kv_bytes_per_block(cfg, 2, 16, torch.float32)
+    assert llm.cache.num_slots == (1 << 20) // state_bytes_per_slot(cfg, 2, torch.float32, torch.float32)

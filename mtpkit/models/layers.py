@@ -105,8 +105,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float() if x.dtype != torch.float64 else x
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.to(y.dtype))).to(x.dtype)
+        return F.rms_norm(xf, (xf.shape[-1],), self.weight.to(xf.dtype) + 1.0, self.eps).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -120,8 +119,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: Tensor, z: Tensor) -> Tensor:
         dtype = x.dtype
         xf = x.float() if dtype != torch.float64 else x
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * y.to(dtype)
+        y = self.weight * F.rms_norm(xf, (xf.shape[-1],), None, self.eps).to(dtype)
         zf = z.float() if dtype != torch.float64 else z
         return (y * F.silu(zf)).to(dtype)
 
@@ -226,9 +224,9 @@ class SparseMoE(nn.Module):
         E = self.gate.weight.shape[0]
         gate = torch.zeros(x.shape[0], E, dtype=x.dtype, device=x.device).scatter(1, experts, weights)
         gate = gate[:, self.first:self.first + self.num_local]                # this rank's experts
-        g, u = torch.einsum("th,eih->tei", x, self.w13).chunk(2, dim=-1)      # [T, E, I]
-        y = torch.einsum("tei,ehi->teh", F.silu(g) * u, self.w2)              # [T, E, H]
-        return torch.einsum("teh,te->th", y, gate)
+        g, u = torch.matmul(x, self.w13.transpose(1, 2)).chunk(2, dim=-1)     # [E, T, I]
+        y = torch.matmul(F.silu(g) * u, self.w2.transpose(1, 2))              # [E, T, H]
+        return (y * gate.T[:, :, None]).sum(0)
 
     def _grouped(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         out = torch.zeros_like(x)
