@@ -18,19 +18,20 @@ import torch
 from mtpkit import LLM, SamplingParams
 from mtpkit.models.registry import resolve_model
 
-SNIPPETS = [
-    "def fibonacci(n):\n    ", "import os\nimport sys\n\n\ndef main", "class Stack:\n    def __init__(self",
-    "    for key, value in sorted(", "        raise ValueError('invalid", "def read_lines(path):\n    with",
-    "# Copyright (C) 2001 Python", "    return ''.join(parts)\n\n\ndef",
-]
+def heldout_prompts(batch: int, length: int) -> list[list[int]]:
+    """`length` tokens from each of the first `batch` usable held-out stdlib files (the files the
+    embedded model never trained on), starting at the first line break past a third of the file."""
+    from mtpkit.train import encode_bytes, heldout_documents
 
-
-def prompts_of_equal_length(tok, batch: int, length: int) -> list[list[int]]:
-    out = []
-    for i in range(batch):
-        ids = tok.encode(SNIPPETS[i % len(SNIPPETS)] * 4).ids[:length]
-        out.append(ids)
-    return out
+    prompts = []
+    for _, data in heldout_documents():
+        start = data.find(b"\n", len(data) // 3) + 1
+        ids = encode_bytes(data[start:start + length])
+        if start > 0 and len(ids) == length:
+            prompts.append(ids)
+        if len(prompts) == batch:
+            return prompts
+    raise SystemExit(f"only {len(prompts)} held-out files are long enough for {length}-token prompts")
 
 
 def hf_generate(model, prompts, max_tokens):
@@ -59,7 +60,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-qwen3-next")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=24)
+    p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-spec", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
@@ -73,13 +74,12 @@ def main():
     hf = Qwen3NextForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engines = {k: LLM(path, num_spec=k, dtype="float32", max_num_seqs=max(args.batches))
                for k in range(args.max_spec + 1)}
-    tok = engines[0].tokenizer
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     print(f"model={path.name} max_tokens={args.max_tokens} prompt_len={args.prompt_len} "
           f"threads={torch.get_num_threads()} (best of {args.repeats})")
     all_same = True
     for batch in args.batches:
-        prompts = prompts_of_equal_length(tok, batch, args.prompt_len)
+        prompts = heldout_prompts(batch, args.prompt_len)
         n = batch * args.max_tokens
         t_hf, ref = best_time(lambda: hf_generate(hf, prompts, args.max_tokens), args.repeats)
         rows = [("transformers", n / t_hf, ref, None)]

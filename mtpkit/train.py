@@ -104,7 +104,7 @@ DEFAULT_SIZE = "l4-e64"
 def hf_config(kwargs: dict, dtype: str = "bfloat16"):
     """transformers' Qwen3NextConfig for these kwargs (what config.json is written from)."""
     from transformers import Qwen3NextConfig as HFConfig
-    return HFConfig(**json.loads(json.dumps(kwargs)), dtype=dtype)
+    return HFConfig(**json.loads(json.dumps(kwargs)), dtype=dtype, architectures=["Qwen3NextForCausalLM"])
 
 
 def mtpkit_config(kwargs: dict) -> Qwen3NextConfig:
@@ -319,6 +319,7 @@ def export_checkpoint(model: Qwen3NextForCausalLM, kwargs: dict, out_dir: Path,
         verify_export(model, tmp, dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in tmp.iterdir():  # keep other files of out_dir (README.md)
+        f.chmod(0o644)  # safetensors writes 0600; the files ship as package data
         os.replace(f, out_dir / f.name)
     tmp.rmdir()
     return out_dir
@@ -419,7 +420,7 @@ def forward_losses(model: Qwen3NextForCausalLM, batch: torch.Tensor, mtp_depth: 
 @dataclasses.dataclass
 class TrainArgs:
     size: str = DEFAULT_SIZE
-    steps: int = 1000
+    steps: int = 1100
     batch: int = 8
     seq_len: int = 256
     lr: float = 3e-3
@@ -438,6 +439,7 @@ class TrainArgs:
     export_every: int = 400
     eval_windows: int = 16
     dtype: str = "bfloat16"
+    line_aligned: bool = True
 
 
 def lr_at(step: int, a: TrainArgs) -> float:
@@ -458,9 +460,23 @@ def make_optimizer(model: Qwen3NextForCausalLM, a: TrainArgs) -> torch.optim.Ada
                              lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def sample_batch(data: torch.Tensor, B: int, T: int, g: torch.Generator) -> torch.Tensor:
-    starts = torch.randint(0, data.numel() - (T + 2), (B,), generator=g)
-    return torch.stack([data[s:s + T + 2] for s in starts.tolist()]).long()
+def line_starts(data: torch.Tensor, T: int) -> torch.Tensor:
+    """Offsets of every line start (after a newline or <|endoftext|>, and 0) that leaves room
+    for a window of T + 2 tokens."""
+    prev = data[:-1]
+    starts = torch.nonzero((prev == ord("\n")) | (prev == EOS_ID)).flatten() + 1
+    starts = torch.cat([torch.zeros(1, dtype=starts.dtype), starts])
+    return starts[starts <= data.numel() - (T + 2)]
+
+
+def sample_batch(data: torch.Tensor, B: int, T: int, g: torch.Generator,
+                 starts: torch.Tensor | None = None) -> torch.Tensor:
+    """B windows of T + 2 tokens at random offsets, or at random entries of `starts`."""
+    if starts is None:
+        offsets = torch.randint(0, data.numel() - (T + 2), (B,), generator=g)
+    else:
+        offsets = starts[torch.randint(0, starts.numel(), (B,), generator=g)]
+    return torch.stack([data[s:s + T + 2] for s in offsets.tolist()]).long()
 
 
 @torch.no_grad()
@@ -504,6 +520,10 @@ def train(a: TrainArgs, log=print) -> Qwen3NextForCausalLM:
     mtp_depth = len(a.mtp_weights)
     t_start = time.time()
     data = load_split("train")
+    # Windows start at line starts: a prompt starts at one, and its first line's indentation
+    # is then in view (windows at arbitrary bytes taught the model that a sequence starts deep
+    # inside indented code, so greedy output after a bare "def f(n):" was all spaces).
+    starts = line_starts(data, a.seq_len) if a.line_aligned else None
     val = heldout_windows(a.eval_windows, a.seq_len, a.seed)
     torch.manual_seed(a.seed)
     model = build_model(kwargs, a.seed)
@@ -536,7 +556,7 @@ def train(a: TrainArgs, log=print) -> Qwen3NextForCausalLM:
         lr = lr_at(step, a)
         for group in opt.param_groups:
             group["lr"] = lr
-        batch = sample_batch(data, a.batch, a.seq_len, g)
+        batch = sample_batch(data, a.batch, a.seq_len, g, starts)
         out = forward_losses(model, batch, mtp_depth)
         loss = out["ntp"] + sum(w * l for w, l in zip(a.mtp_weights, out["mtp"]))
         bal, max_load = probe.loss() if probe is not None else (torch.zeros(()), 0.0)
@@ -592,6 +612,18 @@ def train(a: TrainArgs, log=print) -> Qwen3NextForCausalLM:
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+def export_from_state(a: TrainArgs, log=print) -> Path:
+    """Export the model saved in work_dir/train_state.pt (e.g. the final one) to out_dir."""
+    st = torch.load(Path(a.work_dir) / "train_state.pt", weights_only=False)
+    saved = TrainArgs(**{**dataclasses.asdict(TrainArgs()), **st["args"],
+                         "mtp_weights": tuple(st["args"]["mtp_weights"])})
+    model = build_model(SIZES[saved.size], saved.seed)
+    model.load_state_dict(st["model"])
+    out = export_checkpoint(model, SIZES[saved.size], Path(a.out_dir), DTYPES[saved.dtype])
+    log(f"exported step {st['step']} of {a.work_dir} to {out}")
+    return out
+
+
 def benchmark(sizes: list[str], a: TrainArgs, steps: int = 4, log=print) -> None:
     """Training throughput (fwd + bwd + AdamW) of candidate sizes, after one warm-up step."""
     torch.set_num_threads(a.threads)
@@ -638,8 +670,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--export-every", type=int, default=d.export_every)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="checkpoint dtype")
+    p.add_argument("--no-line-aligned", dest="line_aligned", action="store_false",
+                   help="start training windows at any byte instead of at line starts")
     p.add_argument("--bench", nargs="*", metavar="SIZE",
                    help="only measure training throughput of these sizes (all when none given)")
+    p.add_argument("--export-only", action="store_true",
+                   help="only export the model saved in --work-dir/train_state.pt to --out-dir")
     p.add_argument("--quick", action="store_true",
                    help="a 12-step smoke run into a temporary work/out dir (checks the whole path)")
     args = p.parse_args(argv)
@@ -647,10 +683,13 @@ def main(argv: list[str] | None = None) -> None:
                   warmup=args.warmup, mtp_weights=tuple(args.mtp_weights), balance_coef=args.balance_coef,
                   seed=args.seed, threads=args.threads, work_dir=args.work_dir, out_dir=args.out_dir,
                   save_every=args.save_every, eval_every=args.eval_every, export_every=args.export_every,
-                  dtype=args.dtype)
+                  dtype=args.dtype, line_aligned=args.line_aligned)
     log = lambda s: print(s, flush=True)  # noqa: E731
     if args.bench is not None:
         benchmark(args.bench or sorted(SIZES), a, log=log)
+        return
+    if args.export_only:
+        export_from_state(a, log=log)
         return
     if args.quick:
         import tempfile

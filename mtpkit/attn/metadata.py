@@ -136,21 +136,29 @@ def build_uniform(
         raise ValueError(f"{len(rows)} rows do not fit num_reqs_padded={num_reqs_padded}")
     num_reqs = len(rows)
     rows = rows + [padded_row(q, nslots)] * (num_reqs_padded - num_reqs)
-    start = torch.tensor([r.start for r in rows], dtype=torch.int64)
-    positions = (start[:, None] + torch.arange(q)[None, :]).reshape(-1)
-    row_of_token = torch.arange(num_reqs_padded).repeat_interleave(q)
-    table = _block_table([r.block_ids for r in rows], max_blocks)
-    seq_lens = start + q
+    # Plain Python on the host (a few ints per row), then one tensor per field: cheaper than
+    # tensor arithmetic at decode batch sizes.
+    positions, slots, table = [], [], []
+    for r in rows:
+        pos = range(r.start, r.start + q)
+        positions.extend(pos)
+        slots.extend((r.block_ids[p // block_size] if r.block_ids else 0) * block_size + p % block_size
+                     for p in pos)
+        table.append(r.block_ids + [0] * (max_blocks - len(r.block_ids)))
+    seq_lens = [r.start + q for r in rows]
+
+    def t(x):
+        return torch.tensor(x, dtype=torch.int64, device=device)
+
     meta = UniformMetadata(
-        seq_lens=seq_lens.to(device),
-        block_table=table.to(device),
-        slot_mapping=_slots(positions, table, row_of_token, block_size).to(device),
-        state_slots=torch.tensor([r.state_slots for r in rows], dtype=torch.int64, device=device),
-        num_accepted=torch.tensor([r.num_accepted for r in rows], dtype=torch.int64, device=device),
+        seq_lens=t(seq_lens),
+        block_table=t(table),
+        slot_mapping=t(slots),
+        state_slots=t([r.state_slots for r in rows]),
+        num_accepted=t([r.num_accepted for r in rows]),
         num_reqs=num_reqs,
         num_reqs_padded=num_reqs_padded,
         bundle=q,
-        max_seq_len=int(seq_lens.max()),
+        max_seq_len=max(seq_lens),
     )
-    token_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int64)
-    return token_ids.to(device), positions.to(device), meta
+    return t([x for r in rows for x in r.token_ids]), t(positions), meta

@@ -11,6 +11,7 @@ Scores and softmax run in fp32 (fp64 for fp64 inputs); the output is cast to q's
 """
 
 import torch
+import torch.nn.functional as F
 
 from mtpkit.shapes import Float, Int, Tensor, checked
 
@@ -38,8 +39,10 @@ def _gather_kv(cache: Tensor, block_table: Tensor, ctx_len: int) -> Tensor:
     """[R, max_blocks] block table -> [R, ctx_len, kv_heads, head_dim] dense K or V."""
     block_size = cache.shape[1]
     pos = torch.arange(ctx_len, device=cache.device)
-    blocks = block_table.long()[:, pos // block_size]
-    return cache[blocks, (pos % block_size)[None, :].expand_as(blocks)]
+    slots = block_table.long()[:, pos // block_size] * block_size + pos % block_size  # [R, ctx]
+    # One flat gather (index_select) instead of 2-D advanced indexing: cheaper per call.
+    flat = cache.reshape(-1, *cache.shape[2:]).index_select(0, slots.reshape(-1))
+    return flat.view(*slots.shape, *cache.shape[2:])
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, seq_lens: Tensor, scale: float,
@@ -50,22 +53,27 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, seq_lens: Tensor, sc
     heads, kv_heads = q.shape[2], k.shape[2]
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
-    # Query head h reads KV head h // (heads // kv_heads).
-    k = k.to(cd).repeat_interleave(heads // kv_heads, dim=2)
-    v = v.to(cd).repeat_interleave(heads // kv_heads, dim=2)
-    scores = torch.einsum("rqhd,rkhd->rhqk", q.to(cd), k) * scale
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
     k_pos = torch.arange(k.shape[1], device=q.device)
-    visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & \
-              (k_pos[None, None, :] < seq_lens.to(q.device)[:, None, None])
+    in_seq = k_pos[None, :] < seq_lens.to(q.device)[:, None]                          # [R, K]
+    visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & in_seq[:, None, :]         # [R, Q, K]
     if sliding_window is not None:
         visible &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
     # Keys past seq_len may be null-block garbage (even NaN): zero them, since 0 * NaN = NaN.
-    v = v.masked_fill(~(k_pos[None, :] < seq_lens.to(q.device)[:, None])[:, :, None, None], 0.0)
-    return torch.einsum("rhqk,rkhd->rqhd", probs, v).to(q.dtype)
+    # k and v are fresh gathers (see _gather_kv), so this may write in place.
+    k = k.to(cd).masked_fill_(~in_seq[:, :, None, None], 0.0)
+    v = v.to(cd).masked_fill_(~in_seq[:, :, None, None], 0.0)
+    qh, kh, vh = q.to(cd).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)       # [R, heads, *, D]
+    if softcap is None:
+        # Query head h reads KV head h // (heads // kv_heads) (enable_gqa groups them so).
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible[:, None], scale=scale,
+                                             enable_gqa=heads != kv_heads)
+    else:
+        kh = kh.repeat_interleave(heads // kv_heads, dim=1)
+        vh = vh.repeat_interleave(heads // kv_heads, dim=1)
+        scores = (qh @ kh.transpose(-1, -2)) * scale
+        scores = softcap * torch.tanh(scores / softcap)
+        out = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), dim=-1) @ vh
+    return out.transpose(1, 2).to(q.dtype)
 
 
 @checked
