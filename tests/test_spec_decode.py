@@ -1,7 +1,6 @@
 """MTP speculative decoding: losslessness, state rollback, metrics, exact rejection sampling."""
 
 import functools
-import math
 
 import pytest
 import torch

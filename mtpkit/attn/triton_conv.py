@@ -27,7 +27,6 @@ on the same stream, so every window is read before any slot is rewritten.
 Math in fp32; fp64 inputs go to the torch reference. Fixed launch configurations.
 """
 
-import os
 
 import torch
 import triton
@@ -36,21 +35,13 @@ import triton.language as tl
 from mtpkit.shapes import Bool, Float, Int, Tensor, checked
 
 from . import conv as ref
+from .triton_common import use_reference
 
 __all__ = ["causal_conv1d_prefill", "causal_conv1d_verify"]
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _use_reference(*xs: Tensor) -> bool:
-    if any(x.dtype == torch.float64 for x in xs):
-        return True
-    if xs[0].device.type != "cuda" and not _interpreting():
-        raise RuntimeError("the Triton conv kernels need CUDA tensors, or TRITON_INTERPRET=1 set before "
-                           "mtpkit.attn.triton_conv is imported; use attn_backend='torch' on CPU")
-    return False
+    return use_reference("mtpkit.attn.triton_conv", *xs)
 
 
 BLOCK_C = 128

@@ -44,22 +44,13 @@ import triton.language as tl
 from mtpkit.shapes import Bool, Float, Int, Tensor, checked
 
 from . import gdn as ref
+from .triton_common import use_reference
 
 __all__ = ["gated_delta_rule_prefill", "gated_delta_rule_verify", "fla_available"]
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _use_reference(*xs: Tensor) -> bool:
-    """fp64 goes to the torch reference; a CPU tensor without the interpreter cannot run."""
-    if any(x.dtype == torch.float64 for x in xs):
-        return True
-    if xs[0].device.type != "cuda" and not _interpreting():
-        raise RuntimeError("the Triton GDN kernels need CUDA tensors, or TRITON_INTERPRET=1 set before "
-                           "mtpkit.attn.triton_gdn is imported; use attn_backend='torch' on CPU")
-    return False
+    return use_reference("mtpkit.attn.triton_gdn", *xs)
 
 
 _FLA = None

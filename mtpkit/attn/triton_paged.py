@@ -45,6 +45,7 @@ import triton.language as tl
 from mtpkit.shapes import Float, Int, Tensor, checked
 
 from . import paged as ref
+from .triton_common import interpreting, use_reference
 
 __all__ = ["write_kv", "paged_attention_prefill", "paged_attention_verify", "num_splits"]
 
@@ -53,17 +54,8 @@ write_kv = ref.write_kv
 MAX_HEAD_DIM = 512
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _use_reference(*xs: Tensor) -> bool:
-    if any(x.dtype == torch.float64 for x in xs):
-        return True
-    if xs[0].device.type != "cuda" and not _interpreting():
-        raise RuntimeError("the Triton attention kernels need CUDA tensors, or TRITON_INTERPRET=1 set "
-                           "before mtpkit.attn.triton_paged is imported; use attn_backend='torch' on CPU")
-    return False
+    return use_reference("mtpkit.attn.triton_paged", *xs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -326,7 +318,7 @@ def _dot_mode(*xs: Tensor) -> dict:
     which gives the same values since products of 16-bit floats are exact in fp32."""
     dtypes = {x.dtype for x in xs}
     dot16 = len(dtypes) == 1 and next(iter(dtypes)) in (torch.float16, torch.bfloat16)
-    return dict(DOT16=dot16, NATIVE=dot16 and not _interpreting())
+    return dict(DOT16=dot16, NATIVE=dot16 and not interpreting())
 
 
 # ---------------------------------------------------------------------------------------
@@ -429,7 +421,7 @@ def paged_attention_prefill(
             block_table=block_table.to(torch.int32))
     out = torch.empty_like(q)
     BD, BN, warps = _tiles(D)
-    BM = 16 if BD > 128 or T <= 16 else 32 if T <= 32 or _interpreting() else 64
+    BM = 16 if BD > 128 or T <= 16 else 32 if T <= 32 or interpreting() else 64
     _paged_prefill_kernel[(R, H, triton.cdiv(max_q, BM))](
         q, k_cache, v_cache, query_start_loc, seq_lens, block_table, out,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *out.stride(),

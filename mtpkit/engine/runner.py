@@ -20,7 +20,6 @@ from ..spec.mtp import MTPProposer
 from ..spec.rejection import rejection_sample
 from ..spec.sampling import SamplingTensors
 from .cache import CacheTensors
-from .request import Request
 from .scheduler import ReqResult, StepKind, StepPlan
 
 
