@@ -49,11 +49,15 @@ class LLM:
                  graph_sizes: Sequence[int] | None = None,
                  cudagraph_capture_sizes: Sequence[int] | None = None,
                  attn_backend: str | None = None, tensor_parallel_size: int | None = None,
-                 load_format: str = "safetensors"):
+                 load_format: str = "safetensors", num_threads: int | None = None):
         """tensor_parallel_size: ranks the model is split over; None means every process of
         the launched job (`accelerate launch` / torchrun), 1 when not launched. It must equal
         the launched world size. Every rank runs the engine and returns the same outputs.
-        load_format "dummy": random weights from config.json alone (benchmarks, GPU checks)."""
+        load_format "dummy": random weights from config.json alone (benchmarks, GPU checks).
+        num_threads (CPU): torch's intra-op threads. None: 1 for models under 50M parameters,
+        whose ops are too small to gain from threads and which slow down 10-40x when another
+        process holds a core (threads wait on each other at every op); larger models keep
+        torch's default. It is process-wide (torch.set_num_threads)."""
         if load_format not in ("safetensors", "dummy"):
             raise ConfigError(f"load_format={load_format!r} must be 'safetensors' or 'dummy'")
         path = resolve_model(model)
@@ -66,9 +70,11 @@ class LLM:
                         ("max_num_batched_tokens", max_num_batched_tokens), ("seed", seed),
                         ("max_model_len", max_model_len), ("num_blocks", num_blocks),
                         ("num_state_slots", num_state_slots), ("kv_cache_memory", kv_cache_memory),
-                        ("state_cache_memory", state_cache_memory)):
+                        ("state_cache_memory", state_cache_memory), ("num_threads", num_threads)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ConfigError(f"{name}={v!r} must be an int")
+        if num_threads is not None and num_threads < 1:
+            raise ConfigError(f"num_threads={num_threads} must be >= 1")
         if not isinstance(num_spec, int) or isinstance(num_spec, bool) or not 0 <= num_spec <= 8:
             raise ConfigError(f"num_spec={num_spec!r} must be an int in 0..8")
         # Tensor parallelism: what config.json cannot split is refused first, then a size that
@@ -150,6 +156,11 @@ class LLM:
                                   None if enforce_eager else self.capture_plan)
         self.tokenizer = _load_tokenizer(path)
         self.eos_token_ids = _eos_ids(path, cfg)
+        if self.device.type == "cpu":
+            params = sum(p.numel() for p in self.model.parameters())
+            threads = num_threads if num_threads is not None else (1 if params < 50_000_000 else None)
+            if threads is not None and threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         self.seed = seed
         self._ids = itertools.count()
         self.stats = SpecStats(num_spec=num_spec)
