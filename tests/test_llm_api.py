@@ -93,3 +93,17 @@ def test_pools_sized_from_memory_budgets(ck):
     cfg = llm.model_config
     assert llm.cache.num_blocks == (4 << 20) // kv_bytes_per_block(cfg, 2, 16, torch.float32)
     assert llm.cache.num_slots == (1 << 20) // state_bytes_per_slot(cfg, 2, torch.float32, torch.float32)
+
+
+def test_chunked_prefills_that_cannot_all_fit_make_progress(ck):
+    """Long prompts prefilled in small chunks on a pool that holds about one and a half of
+    them: partly prefilled requests are preempted instead of holding the pool between them."""
+    prompts = [list(range(1 + i, 100 + i)) for i in range(3)]
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(ck, dtype="float64").generate(prompts, sp)]
+    for k in (0, 2):
+        max_blocks = -(-(112 + 2 * k) // 16)
+        llm = LLM(ck, dtype="float64", num_spec=k, max_model_len=112, max_num_batched_tokens=16,
+                  num_blocks=1 + max_blocks + max_blocks // 2)
+        outs = llm.generate(prompts, sp)
+        assert [o.token_ids for o in outs] == ref

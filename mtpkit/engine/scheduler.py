@@ -106,7 +106,16 @@ class Scheduler:
             if n <= 0:
                 break
             extra = k if r.num_computed + n == r.prefill_target else 0
-            if not self._ensure_blocks(r, r.num_computed + n + extra):
+            while not self._ensure_blocks(r, r.num_computed + n + extra):
+                # Partly prefilled requests can hold the pool between them: make room by
+                # preempting the newest one not already in this step (possibly r itself).
+                victim = next((v for v in reversed(self.running) if v not in reqs), None)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                if victim is r:
+                    break
+            if r.status != Status.RUNNING or not self._ensure_blocks(r, r.num_computed + n + extra):
                 break
             reqs.append(r), lens.append(n)
             budget -= n
@@ -118,7 +127,10 @@ class Scheduler:
             target = r.num_tokens
             n = min(target, budget)
             extra = k if n == target else 0
-            if not self._ensure_blocks(r, n + extra):
+            # Admit only what the free pool can hold whole (prompt + the first verify step):
+            # admitting a chunk of a prompt that cannot finish only starts a preemption cycle.
+            if self.blocks.num_free < self._blocks_for(target + 1 + 2 * k) or \
+                    not self._ensure_blocks(r, n + extra):
                 self.slots.free(slots)
                 break
             self.waiting.popleft()
