@@ -1,6 +1,6 @@
 """Train mtpkit's embedded default model (mtpkit/assets/tiny-qwen3-next) on CPU.
 
-    python examples/train_tiny.py                 # the full run (about 35 minutes, 1 thread)
+    python examples/train_tiny.py                 # the full run (about 30 minutes, 1 thread)
     python examples/train_tiny.py --quick         # a 12-step smoke run into a temp directory
     python examples/train_tiny.py --bench         # throughput of the candidate sizes
 

@@ -22,6 +22,10 @@ Tokenizer: byte level, token id = byte value (0..255), plus <|endoftext|> = 256,
 `tokenizers` BPE model without merges and with byte-level pre-tokenizer/decoder: any UTF-8
 text encodes to exactly its bytes and decodes back unchanged.
 
+Windows of T + 2 tokens start at random line starts of the training stream, half of every
+batch at lines that start at column 0 (`line_starts`): prompts start at a line, usually with
+top-level code, and the model should take the start of a sequence to mean that.
+
 A training batch of B windows of T tokens is one prefill step of B requests with fresh, zeroed
 caches (the attention ops write them in place, which autograd records). Parameters are stored
 in the checkpoint in bfloat16 under the Hugging Face names (`hf_state_dict`), with config.json
@@ -61,32 +65,33 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "assets" / "tiny-qwen3-next"
 # ---------------------------------------------------------------------------------------
 # Model sizes (Hugging Face Qwen3NextConfig kwargs)
 
-_COMMON = dict(
-    vocab_size=VOCAB_SIZE,
-    hidden_size=256,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=32,
-    linear_value_head_dim=64,
-    linear_conv_kernel_dim=4,
-    num_experts=8,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    intermediate_size=512,  # unused: every layer is MoE
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    max_position_embeddings=2048,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-    eos_token_id=EOS_ID,
-    bos_token_id=None,
-    pad_token_id=None,
-    initializer_range=0.02,
-)
+_COMMON = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "intermediate_size": 512,  # unused: every layer is MoE
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 2048,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "eos_token_id": EOS_ID,
+    "bos_token_id": None,
+    "pad_token_id": None,
+    "initializer_range": 0.02,
+}
+
 
 SIZES: dict[str, dict] = {
     # 4 layers (3 GDN + 1 full attention)
@@ -440,6 +445,7 @@ class TrainArgs:
     eval_windows: int = 16
     dtype: str = "bfloat16"
     line_aligned: bool = True
+    top_level_fraction: float = 0.5
 
 
 def lr_at(step: int, a: TrainArgs) -> float:
@@ -460,22 +466,32 @@ def make_optimizer(model: Qwen3NextForCausalLM, a: TrainArgs) -> torch.optim.Ada
                              lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def line_starts(data: torch.Tensor, T: int) -> torch.Tensor:
+def line_starts(data: torch.Tensor, T: int, top_level: bool = False) -> torch.Tensor:
     """Offsets of every line start (after a newline or <|endoftext|>, and 0) that leaves room
-    for a window of T + 2 tokens."""
+    for a window of T + 2 tokens; with top_level, only lines that start with code at column 0
+    (not a space, tab, newline or <|endoftext|>)."""
     prev = data[:-1]
     starts = torch.nonzero((prev == ord("\n")) | (prev == EOS_ID)).flatten() + 1
     starts = torch.cat([torch.zeros(1, dtype=starts.dtype), starts])
-    return starts[starts <= data.numel() - (T + 2)]
+    starts = starts[starts <= data.numel() - (T + 2)]
+    if top_level:
+        first = data[starts].long()
+        starts = starts[(first != ord(" ")) & (first != ord("\t")) & (first != ord("\n")) & (first != EOS_ID)]
+    return starts
 
 
 def sample_batch(data: torch.Tensor, B: int, T: int, g: torch.Generator,
-                 starts: torch.Tensor | None = None) -> torch.Tensor:
-    """B windows of T + 2 tokens at random offsets, or at random entries of `starts`."""
+                 starts: torch.Tensor | None = None, top_starts: torch.Tensor | None = None,
+                 top_fraction: float = 0.0) -> torch.Tensor:
+    """B windows of T + 2 tokens at random offsets, or at random entries of `starts`; the
+    first round(B * top_fraction) of them at random entries of `top_starts`."""
+    n_top = round(B * top_fraction) if top_starts is not None else 0
     if starts is None:
-        offsets = torch.randint(0, data.numel() - (T + 2), (B,), generator=g)
+        offsets = torch.randint(0, data.numel() - (T + 2), (B - n_top,), generator=g)
     else:
-        offsets = starts[torch.randint(0, starts.numel(), (B,), generator=g)]
+        offsets = starts[torch.randint(0, starts.numel(), (B - n_top,), generator=g)]
+    if n_top:
+        offsets = torch.cat([top_starts[torch.randint(0, top_starts.numel(), (n_top,), generator=g)], offsets])
     return torch.stack([data[s:s + T + 2] for s in offsets.tolist()]).long()
 
 
@@ -523,7 +539,10 @@ def train(a: TrainArgs, log=print) -> Qwen3NextForCausalLM:
     # Windows start at line starts: a prompt starts at one, and its first line's indentation
     # is then in view (windows at arbitrary bytes taught the model that a sequence starts deep
     # inside indented code, so greedy output after a bare "def f(n):" was all spaces).
+    # Prompts usually start with top-level code (column 0): top_level_fraction of every batch
+    # starts at such a line, so that is what the start of a sequence means to the model.
     starts = line_starts(data, a.seq_len) if a.line_aligned else None
+    top_starts = line_starts(data, a.seq_len, top_level=True) if a.top_level_fraction > 0 else None
     val = heldout_windows(a.eval_windows, a.seq_len, a.seed)
     torch.manual_seed(a.seed)
     model = build_model(kwargs, a.seed)
@@ -556,7 +575,7 @@ def train(a: TrainArgs, log=print) -> Qwen3NextForCausalLM:
         lr = lr_at(step, a)
         for group in opt.param_groups:
             group["lr"] = lr
-        batch = sample_batch(data, a.batch, a.seq_len, g, starts)
+        batch = sample_batch(data, a.batch, a.seq_len, g, starts, top_starts, a.top_level_fraction)
         out = forward_losses(model, batch, mtp_depth)
         loss = out["ntp"] + sum(w * l for w, l in zip(a.mtp_weights, out["mtp"]))
         bal, max_load = probe.loss() if probe is not None else (torch.zeros(()), 0.0)
@@ -591,7 +610,7 @@ def train(a: TrainArgs, log=print) -> Qwen3NextForCausalLM:
             try:  # an intermediate export is a convenience: never let it stop the run
                 export_checkpoint(model, kwargs, work / "export", DTYPES[a.dtype])
                 log(f"exported step {step} to {work / 'export'}")
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 (an export failure must not stop training)
                 log(f"export at step {step} failed ({type(e).__name__}: {e}); training goes on")
     if probe is not None:
         for h in probe.handles:
@@ -672,6 +691,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="checkpoint dtype")
     p.add_argument("--no-line-aligned", dest="line_aligned", action="store_false",
                    help="start training windows at any byte instead of at line starts")
+    p.add_argument("--top-level-fraction", type=float, default=d.top_level_fraction,
+                   help="fraction of each batch whose windows start at a column-0 line")
     p.add_argument("--bench", nargs="*", metavar="SIZE",
                    help="only measure training throughput of these sizes (all when none given)")
     p.add_argument("--export-only", action="store_true",
@@ -683,8 +704,11 @@ def main(argv: list[str] | None = None) -> None:
                   warmup=args.warmup, mtp_weights=tuple(args.mtp_weights), balance_coef=args.balance_coef,
                   seed=args.seed, threads=args.threads, work_dir=args.work_dir, out_dir=args.out_dir,
                   save_every=args.save_every, eval_every=args.eval_every, export_every=args.export_every,
-                  dtype=args.dtype, line_aligned=args.line_aligned)
-    log = lambda s: print(s, flush=True)  # noqa: E731
+                  dtype=args.dtype, line_aligned=args.line_aligned,
+                  top_level_fraction=args.top_level_fraction)
+    def log(s: str) -> None:
+        print(s, flush=True)
+
     if args.bench is not None:
         benchmark(args.bench or sorted(SIZES), a, log=log)
         return

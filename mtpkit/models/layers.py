@@ -203,7 +203,8 @@ class SparseMoE(nn.Module):
     # batched product, no data-dependent shapes): each token's result is then independent of
     # the other tokens in the batch (padded rows cannot change real rows' rounding) and the
     # step is capturable in a CUDA graph. Larger steps (prefill) loop over the experts hit.
-    dense_limit: int = 1 << 16
+    # Measured on CPU (hidden 256, 8 experts, top-2): dense is faster up to ~100 tokens.
+    dense_limit: int = 1024
 
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens hidden"]:
