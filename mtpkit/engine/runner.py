@@ -1,7 +1,8 @@
 """Runs one scheduled step: metadata -> model -> sampler / rejection -> proposer.
 
-Prefill steps run eager. Verify steps go through `uniform_forward`, which a graph runner
-(mtpkit.graphs) replaces with captured replays; padded rows are inert by construction.
+Prefill steps run eager. Verify steps (and the MTP proposal after them) go through the graph
+runner (mtpkit.graphs: static buffers, captured replays) unless enforce_eager; padded rows are
+inert by construction.
 
 Under tensor parallelism every rank runs this same code on the same inputs. The sampled tokens,
 accepted counts and drafts decide the next step's inputs on every rank (and so what the model's
