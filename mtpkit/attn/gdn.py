@@ -232,12 +232,14 @@ def gated_delta_rule_verify(
     state = ssm_state[read].to(cd)  # [R, H, dk, dv]
     out = vc.new_empty(vc.shape)
     states = []
+    decay = g.exp()[..., None, None]                   # [R, B, H, 1, 1]
+    k_row, q_row = kp[..., None, :], qp[..., None, :]   # [R, B, H, 1, dk]: row vectors for matmul
     for t in range(B):
-        state = state * g[:, t].exp()[:, :, None, None]
-        predicted = torch.einsum("rhk,rhkv->rhv", kp[:, t], state)
+        state = state * decay[:, t]
+        predicted = (k_row[:, t] @ state)[..., 0, :]   # k_t^T S           [R, H, dv]
         delta = beta[:, t, :, None] * (vc[:, t] - predicted)
-        state = state + kp[:, t, :, :, None] * delta[:, :, None, :]
-        out[:, t] = torch.einsum("rhk,rhkv->rhv", qp[:, t], state)
+        state = state + k_row[:, t].transpose(-1, -2) * delta[:, :, None, :]
+        out[:, t] = (q_row[:, t] @ state)[..., 0, :]   # q_t^T S
         states.append(state)
     ssm_state[slots.reshape(-1)] = torch.stack(states, dim=1).flatten(0, 1).to(ssm_state.dtype)
     return out.to(v.dtype)
