@@ -198,9 +198,10 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 def resolve_dtype(dtype, device: torch.device, cfg_dtype: str | None = None) -> torch.dtype:
-    """`dtype` may be a torch.dtype, a name, or "auto" (the checkpoint's, bf16 -> bf16, else fp32)."""
+    """`dtype` may be a torch.dtype, a name, or "auto": float32 on CPU (small-batch CPU steps
+    are overhead-bound, and bf16 adds conversions), the checkpoint's dtype on CUDA."""
     if dtype is None or dtype == "auto":
-        dtype = cfg_dtype if cfg_dtype in DTYPES else "float32"
+        dtype = cfg_dtype if device.type == "cuda" and cfg_dtype in DTYPES else "float32"
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ConfigError(f"dtype {dtype!r} is not supported; use one of float32, bfloat16, float64")
