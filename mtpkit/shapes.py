@@ -49,6 +49,7 @@ DIMS: dict[str, str] = {
     # model widths
     "hidden": "model hidden size",
     "vocab": "vocabulary size",
+    "vocab_shard": "rows of a vocab-parallel embedding / lm_head held by one rank",
     "intermediate": "MLP / expert intermediate size",
     "heads": "query heads of full attention",
     "kv_heads": "key/value heads of full attention",

@@ -76,7 +76,9 @@ class KVParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, num_kv_heads * head_dim, tp, block=head_dim)
 
 
-def vocab_parallel_embedding(token_ids: Tensor, weight: Tensor, tp: TP) -> Tensor:
+@checked
+def vocab_parallel_embedding(token_ids: Int[Tensor, "num_tokens"], weight: Float[Tensor, "vocab_shard hidden"],
+                             tp: TP) -> Float[Tensor, "num_tokens hidden"]:
     """Rows of a vocab-sharded table (rank r holds ids r*part ...): each rank looks up the ids it
     holds, zeros elsewhere, one all-reduce (exact: one non-zero term per element)."""
     if tp.size == 1:
@@ -88,7 +90,9 @@ def vocab_parallel_embedding(token_ids: Tensor, weight: Tensor, tp: TP) -> Tenso
     return tp.all_reduce(x)
 
 
-def vocab_parallel_logits(hidden: Tensor, weight: Tensor, tp: TP, vocab: int) -> Tensor:
+@checked
+def vocab_parallel_logits(hidden: Float[Tensor, "num_logits hidden"], weight: Float[Tensor, "vocab_shard hidden"],
+                          tp: TP, vocab: int) -> Float[Tensor, "num_logits vocab"]:
     """Logits over a vocab-sharded head, gathered so every rank holds all of them (the sampler
     and the drafter then see identical values on every rank); padding columns dropped."""
     logits = F.linear(hidden, weight)

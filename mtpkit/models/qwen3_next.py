@@ -71,7 +71,9 @@ class FullAttention(nn.Module):
         self.rope = PartialRoPE(self.hd, cfg.rot_dim, cfg.rope_theta)
         self.scale = self.hd ** -0.5
 
-    def forward(self, x: Tensor, positions: Tensor, meta: Metadata, cache: CacheTensors) -> Tensor:
+    @checked
+    def forward(self, x: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"], meta: Metadata,
+                cache: CacheTensors) -> Float[Tensor, "num_tokens hidden"]:
         T = x.shape[0]
         q, gate = self.q_proj(x).view(T, self.heads, 2 * self.hd).chunk(2, dim=-1)
         q = self.q_norm(q)
@@ -118,7 +120,8 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = RowParallelLinear(cfg.value_dim, H, tp)
 
-    def forward(self, x: Tensor, meta: Metadata, cache: CacheTensors) -> Tensor:
+    @checked
+    def forward(self, x: Float[Tensor, "num_tokens hidden"], meta: Metadata, cache: CacheTensors) -> Float[Tensor, "num_tokens hidden"]:
         T, hk, hv, dk, dv, r = x.shape[0], self.hk, self.hv, self.dk, self.dv, self.r
         q, k, v, z = self.in_proj_qkvz(x).view(T, hk, 2 * dk + 2 * r * dv).split([dk, dk, r * dv, r * dv], -1)
         b, a = self.in_proj_ba(x).view(T, hk, 2 * r).split([r, r], -1)
@@ -165,7 +168,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, positions: Tensor, meta: Metadata, cache: CacheTensors) -> Tensor:
+    @checked
+    def forward(self, x: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"], meta: Metadata,
+                cache: CacheTensors) -> Float[Tensor, "num_tokens hidden"]:
         h = self.input_layernorm(x)
         if self.kind == FULL:
             h = self.self_attn(h, positions, meta, cache)
@@ -191,7 +196,8 @@ class MTPModule(nn.Module):
             for i in range(cfg.num_nextn_predict_layers)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
 
-    def forward(self, embeds: Tensor, hidden: Tensor, positions: Tensor, meta: Metadata,
+    @checked
+    def forward(self, embeds: Float[Tensor, "num_tokens hidden"], hidden: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"], meta: Metadata,
                 cache: CacheTensors, step: int) -> Tensor:
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1))
         # num_spec may exceed the layer count: the layers are reused in turn.
@@ -220,7 +226,8 @@ class Qwen3NextForCausalLM(nn.Module):
         self.mtp = MTPModule(cfg, n_full, tp, ops) if with_mtp else None
         self.num_kv_layers = n_full + (cfg.num_nextn_predict_layers if with_mtp else 0)
 
-    def embed(self, token_ids: Tensor) -> Tensor:
+    @checked
+    def embed(self, token_ids: Int[Tensor, "num_tokens"]) -> Float[Tensor, "num_tokens hidden"]:
         return vocab_parallel_embedding(token_ids, self.embed_tokens, self.tp)
 
     @checked
