@@ -13,13 +13,13 @@
 """
 
 import argparse
+import math
 import json
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import mtpkit
 from mtpkit.attn.backend import TORCH
@@ -27,7 +27,7 @@ from mtpkit.config import Qwen3NextConfig
 from mtpkit.models.loader import load_checkpoint
 from mtpkit.models.qwen3_next import Qwen3NextForCausalLM
 from mtpkit.models.registry import resolve_model
-from mtpkit.train import fresh_cache, heldout_documents, load_split, prefill_step
+from mtpkit.train import evaluate, heldout_documents, load_split
 
 
 def load_model(path: Path) -> Qwen3NextForCausalLM:
@@ -45,31 +45,12 @@ def heldout_windows(num: int, T: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def teacher_forced(model: Qwen3NextForCausalLM, windows: torch.Tensor, batch: int = 8) -> dict:
-    n = n_agree = 0
-    sums = dict.fromkeys(["ntp_nats", "ntp_correct", "mtp1_nats", "mtp1_correct"], 0.0)
-    agree = 0
-    for i in range(0, windows.shape[0], batch):
-        w = windows[i:i + batch]
-        B, T = w.shape[0], w.shape[1] - 2
-        token_ids, positions, meta = prefill_step(B, T, w[:, :T])
-        cache = fresh_cache(model, B, T)
-        hidden = model(token_ids, positions, meta, cache)
-        t1, t2 = w[:, 1:T + 1].reshape(-1), w[:, 2:T + 2].reshape(-1)
-        logits = model.compute_logits(hidden)
-        mlogits = model.compute_logits(model.mtp_forward(t1, positions, hidden, meta, cache, step=0))
-        sums["ntp_nats"] += F.cross_entropy(logits, t1, reduction="sum").item()
-        sums["ntp_correct"] += (logits.argmax(-1) == t1).sum().item()
-        sums["mtp1_nats"] += F.cross_entropy(mlogits, t2, reduction="sum").item()
-        sums["mtp1_correct"] += (mlogits.argmax(-1) == t2).sum().item()
-        # MTP at t vs the target's greedy token at t+1 (both predict token t+2).
-        g_next = logits.argmax(-1).view(B, T)[:, 1:]
-        agree += (mlogits.argmax(-1).view(B, T)[:, :-1] == g_next).sum().item()
-        n += t1.numel()
-        n_agree += g_next.numel()
-    ln2 = torch.log(torch.tensor(2.0)).item()
-    return {"tokens": n, "ntp_bits_per_byte": sums["ntp_nats"] / n / ln2, "ntp_accuracy": sums["ntp_correct"] / n,
-            "mtp1_bits_per_byte": sums["mtp1_nats"] / n / ln2, "mtp1_accuracy": sums["mtp1_correct"] / n,
-            "mtp1_agrees_with_target_greedy": agree / n_agree}
+    """mtpkit.train.evaluate's metrics, losses in bits per byte."""
+    ev = evaluate(model, windows, batch)
+    ln2 = math.log(2.0)
+    return {"tokens": ev["tokens"], "ntp_bits_per_byte": ev["ntp"] / ln2, "ntp_accuracy": ev["ntp_acc"],
+            "mtp1_bits_per_byte": ev["mtp1"] / ln2, "mtp1_accuracy": ev["mtp1_acc"],
+            "mtp1_agrees_with_target_greedy": ev["mtp1_agree"]}
 
 
 def heldout_prompts(num: int, length: int) -> list[tuple[str, list[int]]]:

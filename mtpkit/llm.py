@@ -208,8 +208,10 @@ class LLM:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, *,
                     where: str = "prompt") -> Request:
         """Validate and queue one request (raises InputError; queued requests are unaffected)."""
-        ids = self._validate(prompt, params, where)
-        params = params or SamplingParams()
+        return self._enqueue(self._validate(prompt, params, where), params or SamplingParams())
+
+    def _enqueue(self, ids: list[int], params: SamplingParams) -> Request:
+        """Queue an already validated request."""
         ecfg = self.engine_config
         rid = next(self._ids)
         gen = None
@@ -245,18 +247,17 @@ class LLM:
         if errors not in ("raise", "return"):
             raise InputError(f"errors={errors!r} must be 'raise' or 'return'")
         # Validate every prompt before queueing any, so a bad one costs no model work.
-        problems = {}
+        problems, valid = {}, {}
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
-                self._validate(p, sp, f"prompt {i}")
+                valid[i] = self._validate(p, sp, f"prompt {i}")
             except InputError as e:
                 problems[i] = str(e)
         if problems and errors == "raise":
             raise InputError("; ".join(problems.values()) + (
                 "" if len(prompts) == 1 else " (nothing was run; pass errors='return' to run the valid "
                 "prompts and get the errors back as outputs)"))
-        reqs = {i: self.add_request(p, sp, where=f"prompt {i}")
-                for i, (p, sp) in enumerate(zip(prompts, params)) if i not in problems}
+        reqs = {i: self._enqueue(ids, params[i] or SamplingParams()) for i, ids in valid.items()}
         return prompts, reqs, problems
 
     def stream(self, prompts, sampling_params=None, *, errors: str = "raise") -> Iterator[StreamEvent]:

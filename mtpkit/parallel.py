@@ -3,6 +3,7 @@ and the engine need. Size 1 is the single-process case and does no communication
 
 The transport is torch.distributed as `accelerate launch` (or torchrun) sets it up: NCCL on
 GPUs, gloo on CPU. Every rank runs the same engine on the same inputs; only weights differ.
+The collectives take any tensor (plain Tensor): their callers carry the shape types.
 """
 
 import dataclasses

@@ -46,6 +46,7 @@ DIMS: dict[str, str] = {
     "num_logits": "positions whose logits are computed in a step",
     "seq_len": "tokens of one sequence (score, prompts)",
     "ctx_len": "context length attended over (cached prefix + new tokens)",
+    "q_len": "query tokens per row of one attention call (the bundle, or one prefill chunk)",
     # model widths
     "hidden": "model hidden size",
     "vocab": "vocabulary size",

@@ -55,6 +55,7 @@ from .engine.cache import CacheTensors, allocate_cache
 from .models.layers import GatedRMSNorm, Linear, RMSNorm, SparseMoE
 from .models.loader import load_checkpoint
 from .models.qwen3_next import GatedDeltaNet, Qwen3NextForCausalLM
+from .shapes import Int, Tensor
 
 EOS_TOKEN = "<|endoftext|>"
 EOS_ID = 256
@@ -357,7 +358,7 @@ def fresh_cache(model: Qwen3NextForCausalLM, B: int, T: int) -> CacheTensors:
                           device=torch.device("cpu"))
 
 
-def prefill_step(B: int, T: int, inputs: torch.Tensor):
+def prefill_step(B: int, T: int, inputs: Int[Tensor, "num_reqs seq_len"]):
     """token_ids, positions, metadata of a prefill of B fresh requests (block i+1, slot i+1)."""
     chunks = [PrefillChunk(inputs[i].tolist(), 0, [i + 1], i + 1, i + 1) for i in range(B)]
     return build_prefill(chunks, block_size=T, max_blocks=1, device=torch.device("cpu"))
@@ -390,7 +391,7 @@ class RouterProbe:
         return total / max(n, 1) if n else torch.zeros(()), worst
 
 
-def forward_losses(model: Qwen3NextForCausalLM, batch: torch.Tensor, mtp_depth: int = 1) -> dict:
+def forward_losses(model: Qwen3NextForCausalLM, batch: Int[Tensor, "num_reqs seq_len"], mtp_depth: int = 1) -> dict:
     """Per-token mean losses of one batch [B, T + 2] (inputs are the first T tokens).
 
     ntp:      position t predicts token t+1 from the target's hidden h_t.
@@ -466,7 +467,7 @@ def make_optimizer(model: Qwen3NextForCausalLM, a: TrainArgs) -> torch.optim.Ada
                              lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def line_starts(data: torch.Tensor, T: int, top_level: bool = False) -> torch.Tensor:
+def line_starts(data: Int[Tensor, "seq_len"], T: int, top_level: bool = False) -> Int[Tensor, "..."]:
     """Offsets of every line start (after a newline or <|endoftext|>, and 0) that leaves room
     for a window of T + 2 tokens; with top_level, only lines that start with code at column 0
     (not a space, tab, newline or <|endoftext|>)."""
@@ -480,9 +481,9 @@ def line_starts(data: torch.Tensor, T: int, top_level: bool = False) -> torch.Te
     return starts
 
 
-def sample_batch(data: torch.Tensor, B: int, T: int, g: torch.Generator,
-                 starts: torch.Tensor | None = None, top_starts: torch.Tensor | None = None,
-                 top_fraction: float = 0.0) -> torch.Tensor:
+def sample_batch(data: Int[Tensor, "seq_len"], B: int, T: int, g: torch.Generator,
+                 starts: Int[Tensor, "..."] | None = None, top_starts: Int[Tensor, "..."] | None = None,
+                 top_fraction: float = 0.0) -> Int[Tensor, "num_reqs seq_len"]:
     """B windows of T + 2 tokens at random offsets, or at random entries of `starts`; the
     first round(B * top_fraction) of them at random entries of `top_starts`."""
     n_top = round(B * top_fraction) if top_starts is not None else 0
@@ -496,10 +497,13 @@ def sample_batch(data: torch.Tensor, B: int, T: int, g: torch.Generator,
 
 
 @torch.no_grad()
-def evaluate(model: Qwen3NextForCausalLM, windows: torch.Tensor, batch: int, mtp_depth: int) -> dict:
-    """Held-out loss and teacher-forced accuracies over fixed windows [N, T + 2]."""
+def evaluate(model: Qwen3NextForCausalLM, windows: Int[Tensor, "num_reqs seq_len"], batch: int,
+             mtp_depth: int = 1) -> dict:
+    """Teacher-forced held-out metrics over fixed windows [N, T + 2], per token (nats):
+    next-token loss and accuracy, MTP pass-1 loss and accuracy (token t+2), and how often the
+    MTP draft at t agrees with the target's greedy token at t+1 (both predict token t+2)."""
     sums = {"ntp": 0.0, "ntp_acc": 0.0, "mtp1": 0.0, "mtp1_acc": 0.0}
-    n = 0
+    n = agree = n_agree = 0
     for i in range(0, windows.shape[0], batch):
         w = windows[i:i + batch]
         B, T = w.shape[0], w.shape[1] - 2
@@ -513,8 +517,10 @@ def evaluate(model: Qwen3NextForCausalLM, windows: torch.Tensor, batch: int, mtp
         sums["ntp_acc"] += (logits.argmax(-1) == t1).sum().item()
         sums["mtp1"] += F.cross_entropy(mlogits, t2, reduction="sum").item()
         sums["mtp1_acc"] += (mlogits.argmax(-1) == t2).sum().item()
-        n += t1.numel()
-    return {k: v / n for k, v in sums.items()}
+        greedy_next = logits.argmax(-1).view(B, T)[:, 1:]
+        agree += (mlogits.argmax(-1).view(B, T)[:, :-1] == greedy_next).sum().item()
+        n, n_agree = n + t1.numel(), n_agree + greedy_next.numel()
+    return {**{k: v / n for k, v in sums.items()}, "mtp1_agree": agree / n_agree, "tokens": n}
 
 
 def heldout_windows(n: int, T: int, seed: int) -> torch.Tensor:

@@ -26,11 +26,12 @@ from mtpkit.shapes import Bool, Float, Int, Tensor, checked
 __all__ = ["causal_conv1d_prefill", "causal_conv1d_verify"]
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
+def _compute_dtype(x: Float[Tensor, "..."]) -> torch.dtype:  # any shape: reads the dtype only
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _conv_silu(seq: Tensor, weight: Tensor) -> Tensor:
+def _conv_silu(seq: Float[Tensor, "num_reqs conv_dim ctx_len"], weight: Float[Tensor, "conv_dim conv_width"]
+               ) -> Float[Tensor, "num_reqs conv_dim q_len"]:
     """seq [R, C, W-1+T] (window then new inputs) -> silu(depthwise conv) [R, C, T].
     W taps summed over sliding windows: the depthwise F.conv1d has no fast fp64 CPU path
     (tens of ms for a tiny input)."""

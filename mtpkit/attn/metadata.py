@@ -80,7 +80,8 @@ def _block_table(rows: list[list[int]], max_blocks: int) -> Tensor:
     return table
 
 
-def _slots(positions: Tensor, table: Tensor, row_of_token: Tensor, block_size: int) -> Tensor:
+def _slots(positions: Int[Tensor, "num_tokens"], table: Int[Tensor, "num_reqs max_blocks"],
+           row_of_token: Int[Tensor, "num_tokens"], block_size: int) -> Int[Tensor, "num_tokens"]:
     blocks = table[row_of_token, positions // block_size]
     return blocks * block_size + positions % block_size
 

@@ -35,7 +35,9 @@ def write_kv(
     v_cache[blocks, offsets] = v.to(v_cache.dtype)
 
 
-def _gather_kv(cache: Tensor, block_table: Tensor, ctx_len: int) -> Tensor:
+def _gather_kv(cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
+               block_table: Int[Tensor, "num_reqs max_blocks"], ctx_len: int
+               ) -> Float[Tensor, "num_reqs ctx_len kv_heads head_dim"]:
     """[R, max_blocks] block table -> [R, ctx_len, kv_heads, head_dim] dense K or V."""
     block_size = cache.shape[1]
     pos = torch.arange(ctx_len, device=cache.device)
@@ -45,8 +47,10 @@ def _gather_kv(cache: Tensor, block_table: Tensor, ctx_len: int) -> Tensor:
     return flat.view(*slots.shape, *cache.shape[2:])
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, seq_lens: Tensor, scale: float,
-            sliding_window: int | None, softcap: float | None) -> Tensor:
+def _attend(q: Float[Tensor, "num_reqs q_len heads head_dim"], k: Float[Tensor, "num_reqs ctx_len kv_heads head_dim"],
+            v: Float[Tensor, "num_reqs ctx_len kv_heads head_dim"], q_pos: Int[Tensor, "num_reqs q_len"],
+            seq_lens: Int[Tensor, "num_reqs"], scale: float, sliding_window: int | None,
+            softcap: float | None) -> Float[Tensor, "num_reqs q_len heads head_dim"]:
     """q [R, Q, H, D] at positions q_pos [R, Q]; k, v [R, K, KVH, D] at positions 0..K-1,
     of which the first seq_lens[r] are real. Returns [R, Q, H, D] in q's dtype."""
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32

@@ -301,7 +301,8 @@ def _flash_module():
     return _FLASH or None
 
 
-def _flash_applicable(q: Tensor, k_cache: Tensor) -> bool:
+def _flash_applicable(q: Float[Tensor, "... heads head_dim"],  # prefill [T, H, D] or verify [R, B, H, D]
+                      k_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"]) -> bool:
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype
             and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0 and k_cache.shape[1] % 256 == 0
             and _flash_module() is not None)

@@ -75,7 +75,8 @@ class GraphRunner:
         hidden = self.model(buf.token_ids[:n * B], buf.positions[:n * B], meta, self.cache)
         return {"hidden": hidden, "logits": self.model.compute_logits(hidden)}
 
-    def _propose_body(self, n: int, max_seq_len: int, hidden: Tensor) -> dict[str, Tensor]:
+    def _propose_body(self, n: int, max_seq_len: int, hidden: Float[Tensor, "num_tokens hidden"]
+                      ) -> dict[str, Tensor]:
         B, buf = self.bundle, self.buf
         meta = buf.meta(n, B, max_seq_len)
         drafts = self.proposer.propose(hidden, buf.next_tokens[:n * B], buf.positions[:n * B], meta,

@@ -4,6 +4,11 @@ All linear layers go through `Linear` and its parallel forms (column, row, KV he
 tensor parallelism shards weights (and loads only its slices) in one place: `shard_dim` says
 which weight dim is split; a row-parallel output is all-reduced (one all-reduce each). The
 vocabulary-parallel embedding and lm_head are the two functions after them.
+
+The linear family and the norms are shape-polymorphic (any leading dims, the feature dim
+last: tokens x hidden, tokens x heads x head_dim, tokens*heads x v_dim), so their forward
+takes plain Tensor; the layers that call them (attention, GDN, MoE, model forward) are the
+typed boundaries. So are the callers of the collectives in parallel.py.
 """
 
 import torch
@@ -150,7 +155,9 @@ class PartialRoPE(nn.Module):
         cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
-    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def _rotate(self, x: Float[Tensor, "num_tokens _ head_dim"], cos: Float[Tensor, "num_tokens 1 head_dim"],
+                sin: Float[Tensor, "num_tokens 1 head_dim"]) -> Float[Tensor, "num_tokens _ head_dim"]:
+        # the middle dim is heads for q and kv_heads for k: "_" leaves it unnamed
         r = self.rot_dim
         x_rot, x_pass = x[..., :r], x[..., r:]
         x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
@@ -225,7 +232,8 @@ class SparseMoE(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return self.tp.all_reduce(out)
 
-    def _dense(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+    def _dense(self, x: Float[Tensor, "num_tokens hidden"], weights: Float[Tensor, "num_tokens topk"],
+               experts: Int[Tensor, "num_tokens topk"]) -> Float[Tensor, "num_tokens hidden"]:
         E = self.gate.weight.shape[0]
         gate = torch.zeros(x.shape[0], E, dtype=x.dtype, device=x.device).scatter(1, experts, weights)
         gate = gate[:, self.first:self.first + self.num_local]                # this rank's experts
@@ -233,7 +241,8 @@ class SparseMoE(nn.Module):
         y = torch.matmul(F.silu(g) * u, self.w2.transpose(1, 2))              # [E, T, H]
         return (y * gate.T[:, :, None]).sum(0)
 
-    def _grouped(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+    def _grouped(self, x: Float[Tensor, "num_tokens hidden"], weights: Float[Tensor, "num_tokens topk"],
+                 experts: Int[Tensor, "num_tokens topk"]) -> Float[Tensor, "num_tokens hidden"]:
         out = torch.zeros_like(x)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)

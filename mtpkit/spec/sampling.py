@@ -95,6 +95,7 @@ def target_probs(
     return probs
 
 
-def sample_rows(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+@checked
+def sample_rows(probs: Float[Tensor, "num_reqs vocab"], generators: list) -> Int[Tensor, "num_reqs"]:
     """One draw per row of probs [n, vocab], each with its own generator."""
     return torch.cat([torch.multinomial(p[None], 1, generator=g)[0] for p, g in zip(probs, generators)])
