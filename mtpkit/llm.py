@@ -141,6 +141,7 @@ class LLM:
                 init_dummy_weights(self.model, self.dtype, self.device, seed)
             else:
                 load_checkpoint(self.model, path, self.dtype, self.device)
+            self.model.set_weight_layout(self.device)
             self.cache = allocate_cache(cfg, num_blocks=num_blocks, num_slots=num_state_slots,
                                         block_size=block_size, num_spec=num_spec,
                                         n_kv_layers=self.model.num_kv_layers, dtype=self.dtype,

@@ -54,6 +54,7 @@ DIMS: dict[str, str] = {
     "intermediate": "MLP / expert intermediate size",
     "heads": "query heads of full attention",
     "kv_heads": "key/value heads of full attention",
+    "qk_heads": "query heads then key heads of full attention, normalised and rotated together",
     "head_dim": "head dimension of full attention",
     "rot_dim": "rotated dims of partial RoPE",
     "k_heads": "GDN key heads (HK)",

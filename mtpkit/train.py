@@ -52,8 +52,9 @@ from .attn.backend import TORCH
 from .attn.metadata import PrefillChunk, build_prefill
 from .config import FULL, LINEAR, Qwen3NextConfig
 from .engine.cache import CacheTensors, allocate_cache
-from .models.layers import GatedRMSNorm, Linear, RMSNorm, SparseMoE
-from .models.loader import load_checkpoint
+from .models.layers import GatedRMSNorm, Linear, RMSNorm
+from .models.loader import export_state_dict, load_checkpoint
+from .models.moe import SparseMoE
 from .models.qwen3_next import GatedDeltaNet, Qwen3NextForCausalLM
 from .shapes import Int, Tensor
 
@@ -271,38 +272,9 @@ def init_parameters(model: Qwen3NextForCausalLM, seed: int, std: float = 0.02) -
 
 
 def hf_state_dict(model: Qwen3NextForCausalLM, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """mtpkit parameters under their Hugging Face checkpoint names (the inverse of
-    mtpkit.models.loader._param_specs for a single rank): `model.` prefix except mtp.*,
-    conv_weight [C, W] -> conv1d.weight [C, 1, W], fused experts w13 [E, 2I, H] / w2 [E, H, I]
-    -> experts.{e}.gate_proj / up_proj / down_proj.weight."""
-    out: dict[str, torch.Tensor] = {}
-
-    def put(name, t):
-        assert name not in out, name
-        out[name] = t.detach().to("cpu", dtype).contiguous().clone()
-
-    for name, p in model.named_parameters():
-        if name == "embed_tokens":
-            put("model.embed_tokens.weight", p)
-            continue
-        if name == "lm_head":
-            put("lm_head.weight", p)
-            continue
-        ck = name if name.startswith("mtp.") else "model." + name
-        owner, _, leaf = ck.rpartition(".")
-        if leaf == "conv_weight":
-            put(owner + ".conv1d.weight", p.unsqueeze(1))
-        elif leaf == "w13":
-            inter = p.shape[1] // 2
-            for e in range(p.shape[0]):
-                put(f"{owner}.experts.{e}.gate_proj.weight", p[e, :inter])
-                put(f"{owner}.experts.{e}.up_proj.weight", p[e, inter:])
-        elif leaf == "w2":
-            for e in range(p.shape[0]):
-                put(f"{owner}.experts.{e}.down_proj.weight", p[e])
-        else:
-            put(ck, p)
-    return out
+    """mtpkit parameters under their Hugging Face checkpoint names and shapes, in `dtype`
+    (the loader's inverse, mtpkit.models.loader.export_state_dict)."""
+    return {n: t.detach().to("cpu", dtype).contiguous().clone() for n, t in export_state_dict(model).items()}
 
 
 def export_checkpoint(model: Qwen3NextForCausalLM, kwargs: dict, out_dir: Path,
@@ -365,17 +337,18 @@ def prefill_step(B: int, T: int, inputs: Int[Tensor, "num_reqs seq_len"]):
 
 
 class RouterProbe:
-    """Collects router logits of every SparseMoE call (forward hooks on the gates) for the
-    load-balancing loss: coef * E * sum_e f_e * P_e per MoE call (Switch Transformer)."""
+    """Collects router logits of every SparseMoE call (forward hooks recompute them from the
+    block's input: the router rows are part of the merged w_in, so gradients reach them) for
+    the load-balancing loss: coef * E * sum_e f_e * P_e per MoE call (Switch Transformer)."""
 
     def __init__(self, model: Qwen3NextForCausalLM, topk: int):
         self.logits: list[torch.Tensor] = []
         self.topk = topk
-        self.handles = [m.gate.register_forward_hook(self._hook)
+        self.handles = [m.register_forward_hook(self._hook)
                         for m in model.modules() if isinstance(m, SparseMoE)]
 
     def _hook(self, module, inputs, output):
-        self.logits.append(output)
+        self.logits.append(module.router_logits(inputs[0]))
 
     def loss(self) -> tuple[torch.Tensor, float]:
         """(balance loss averaged over MoE calls, max expert load fraction * E)."""

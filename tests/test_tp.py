@@ -70,7 +70,9 @@ def _tp2_worker(root: str):
         out[name, k] = {key: r[key] for key in ("tokens", "accepted", "stats", "logits")}
         if k == 2:
             attn = next(layer.self_attn for layer in r["llm"].model.layers if layer.kind == "full_attention")
-            out[name, "k_proj"] = attn.k_proj.weight.clone()
+            # qkv_proj rows: [q | k | gate | v] of this rank's heads (see FullAttention)
+            q_rows, kv_rows = attn.heads * attn.hd, attn.kv_heads * attn.hd
+            out[name, "k_proj"] = attn.qkv_proj.weight[q_rows:q_rows + kv_rows].clone()
             out[name, "embed_rows"] = r["llm"].model.embed_tokens.shape[0]
     out["sampled"] = _run(root / "base", "base", 2, temperature=0.9)["tokens"]
     out["size_1"] = _error(lambda: LLM(root / "base", num_spec=2, tensor_parallel_size=1, **F64))

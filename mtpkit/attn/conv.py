@@ -36,7 +36,8 @@ def _conv_silu(seq: Float[Tensor, "num_reqs conv_dim ctx_len"], weight: Float[Te
     W taps summed over sliding windows: the depthwise F.conv1d has no fast fp64 CPU path
     (tens of ms for a tiny input)."""
     windows = seq.unfold(2, weight.shape[1], 1)                    # [R, C, T, W]
-    return F.silu((windows * weight.to(seq.dtype)[None, :, None, :]).sum(-1))
+    w = weight if weight.dtype == seq.dtype else weight.to(seq.dtype)
+    return F.silu((windows * w[:, None, :]).sum(-1))
 
 
 @checked
@@ -94,13 +95,15 @@ def causal_conv1d_verify(
     if L < W - 1 + B - 1:
         raise ValueError(f"conv_state_len ({L}) must be at least conv_width - 1 + bundle - 1 "
                          f"({W - 1 + B - 1}) so that every num_accepted in 1..bundle has a window")
-    idx = slots.long()
-    state = conv_state[idx].to(cd)  # a copy: reads finish before the write below
-    cols = (num_accepted.long() - 1)[:, None] + torch.arange(W - 1, device=x.device)
+    state = conv_state[slots]  # a copy: reads finish before the write below
+    cols = torch.arange(W - 1, device=x.device) + (num_accepted - 1)[:, None]
     window = state.gather(2, cols[:, None, :].expand(R, C, W - 1))
-    seq = torch.cat([window, x.to(cd).transpose(1, 2)], dim=2)  # [R, C, W-1+B]
-    out = _conv_silu(seq, weight).transpose(1, 2)
+    xt = x.transpose(1, 2)
+    seq = torch.cat([window if window.dtype == cd else window.to(cd), xt if xt.dtype == cd else xt.to(cd)],
+                    dim=2)                                                   # [R, C, W-1+B]
     new_state = seq[:, :, 1:1 + L]
-    new_state = F.pad(new_state, (0, L - new_state.shape[2]))
-    conv_state[idx] = new_state.to(conv_state.dtype)
-    return out.to(x.dtype)
+    if new_state.shape[2] < L:
+        new_state = F.pad(new_state, (0, L - new_state.shape[2]))
+    conv_state[slots] = new_state if new_state.dtype == conv_state.dtype else new_state.to(conv_state.dtype)
+    out = _conv_silu(seq, weight).transpose(1, 2)
+    return out if out.dtype == x.dtype else out.to(x.dtype)

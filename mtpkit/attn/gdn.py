@@ -200,6 +200,16 @@ def _prefill_padded(q, k, v, g, beta, init, bounds, T, chunk_size):
     return out, state.reshape((R, H) + tuple(state.shape[1:]))
 
 
+def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _l2norm(x: Float[Tensor, "... d"], dtype: torch.dtype) -> Float[Tensor, "... d"]:
+    """x * rsqrt(sum(x^2) + 1e-6) over the last dim (eps inside, as transformers / FLA do)."""
+    x = _as(x, dtype)
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
 @checked
 def gated_delta_rule_verify(
     q: Float[Tensor, "num_reqs_padded bundle k_heads k_dim"],
@@ -217,29 +227,37 @@ def gated_delta_rule_verify(
     from ssm_state[state_slots[i, num_accepted[i] - 1]] and the state after its token t
     is written to ssm_state[state_slots[i, t]]. Padded rows point every slot at the null
     slot 0 with num_accepted 1: they read and write only slot 0 (finite as long as the
-    pool was zero-initialised, since only finite states are ever written there)."""
-    R, B = q.shape[:2]
-    cd = _compute_dtype(q, k, v)
-    qp, kp, g, beta = gdn_prepare(q.flatten(0, 1), k.flatten(0, 1), a.flatten(0, 1),
-                                  b.flatten(0, 1), A_log, dt_bias, dtype=cd)
-    qp, kp = qp.view(R, B, *qp.shape[1:]), kp.view(R, B, *kp.shape[1:])
-    g, beta = g.view(R, B, -1), beta.view(R, B, -1)
-    vc = v.to(cd)
-    slots = state_slots.long()
-    read = slots.gather(1, (num_accepted.long() - 1)[:, None])[:, 0]
+    pool was zero-initialised, since only finite states are ever written there).
+
+    The same preparation as gdn_prepare, batched over requests, with the value heads grouped
+    under their key head ([k_heads, r] = v_heads; value head h reads key head h // r) so
+    that broadcasting, not a copy, repeats q and k."""
+    R, B, HK, DK = q.shape
+    HV, DV = v.shape[2:]
+    if HV % HK:
+        raise ValueError(f"v_heads ({HV}) must be a multiple of k_heads ({HK})")
+    r, cd = HV // HK, _compute_dtype(q, k, v)
+    q = _l2norm(q, cd) * DK ** -0.5
+    k = _l2norm(k, cd)
+    g = -_as(A_log, cd).exp() * F.softplus(_as(a, cd) + _as(dt_bias, cd))     # [R, B, HV]
+    # Per token t (dim 1), shaped to broadcast against the state [R, HK, r, DK, DV]:
+    decay = g.exp().view(R, B, HK, r, 1, 1).unbind(1)
+    beta = torch.sigmoid(_as(b, cd)).view(R, B, HK, r, 1, 1).unbind(1)
+    vs = _as(v, cd).view(R, B, HK, r, 1, DV).unbind(1)
+    k_row, k_col = k.view(R, B, HK, 1, 1, DK).unbind(1), k.view(R, B, HK, 1, DK, 1).unbind(1)
+    q_row = q.view(R, B, HK, 1, 1, DK).unbind(1)
+    read = state_slots.gather(1, num_accepted[:, None] - 1)[:, 0]
     # Advanced indexing copies, so all reads happen before the writes below: with
     # num_accepted == bundle the read slot is also the slot written at the last position.
-    state = ssm_state[read].to(cd)  # [R, H, dk, dv]
-    out = vc.new_empty(vc.shape)
-    states = []
-    decay = g.exp()[..., None, None]                   # [R, B, H, 1, 1]
-    k_row, q_row = kp[..., None, :], qp[..., None, :]   # [R, B, H, 1, dk]: row vectors for matmul
+    state = _as(ssm_state[read], cd).view(R, HK, r, DK, DV)
+    outs, states = [], []
     for t in range(B):
-        state = state * decay[:, t]
-        predicted = (k_row[:, t] @ state)[..., 0, :]   # k_t^T S           [R, H, dv]
-        delta = beta[:, t, :, None] * (vc[:, t] - predicted)
-        state = state + k_row[:, t].transpose(-1, -2) * delta[:, :, None, :]
-        out[:, t] = (q_row[:, t] @ state)[..., 0, :]   # q_t^T S
+        # S = exp(g) S;  S += k (beta (v - k^T S));  o = q^T S
+        state = state * decay[t]
+        delta = beta[t] * (vs[t] - k_row[t] @ state)                          # [R, HK, r, 1, DV]
+        state = torch.addcmul(state, k_col[t], delta)
+        outs.append(q_row[t] @ state)
         states.append(state)
-    ssm_state[slots.reshape(-1)] = torch.stack(states, dim=1).flatten(0, 1).to(ssm_state.dtype)
-    return out.to(v.dtype)
+    ssm_state[state_slots.reshape(-1)] = _as(torch.stack(states, 1).view(R * B, HV, DK, DV), ssm_state.dtype)
+    out = torch.stack(outs, 1)
+    return _as(out.view(R, B, HV, DV), v.dtype)

@@ -27,57 +27,63 @@ def write_kv(
     slot_mapping: Int[Tensor, "num_tokens"],
 ) -> None:
     """Store each token's K/V at its slot id (in place, in the cache's dtype)."""
+    slot_mapping = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        x = x if x.dtype == cache.dtype else x.to(cache.dtype)
+        if cache.is_contiguous():  # slot id = row of the flattened pool
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x)
+        else:
+            block_size = cache.shape[1]
+            cache[slot_mapping // block_size, slot_mapping % block_size] = x
+
+
+def _gather_kv(k_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
+               v_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
+               block_table: Int[Tensor, "num_reqs max_blocks"], seq_lens: Int[Tensor, "num_reqs"], ctx_len: int
+               ) -> tuple[Float[Tensor, "num_reqs ctx_len kv_heads head_dim"],
+                          Float[Tensor, "num_reqs ctx_len kv_heads head_dim"]]:
+    """Dense K and V of positions 0..ctx_len-1 of every request. Positions at or past a
+    request's seq_len read its last real position instead (any value would do: attention
+    masks them), so the gather never touches storage the request does not own, which may
+    hold anything (even NaN: 0 * NaN would leak through the softmax product)."""
     block_size = k_cache.shape[1]
-    slot = slot_mapping.long()
-    # Block/offset indexing instead of a flattened view: works for any cache layout.
-    blocks, offsets = slot // block_size, slot % block_size
-    k_cache[blocks, offsets] = k.to(k_cache.dtype)
-    v_cache[blocks, offsets] = v.to(v_cache.dtype)
-
-
-def _gather_kv(cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
-               block_table: Int[Tensor, "num_reqs max_blocks"], ctx_len: int
-               ) -> Float[Tensor, "num_reqs ctx_len kv_heads head_dim"]:
-    """[R, max_blocks] block table -> [R, ctx_len, kv_heads, head_dim] dense K or V."""
-    block_size = cache.shape[1]
-    pos = torch.arange(ctx_len, device=cache.device)
-    slots = block_table.long()[:, pos // block_size] * block_size + pos % block_size  # [R, ctx]
+    pos = torch.minimum(torch.arange(ctx_len, device=block_table.device), (seq_lens - 1)[:, None])  # [R, ctx]
+    slots = (block_table.gather(1, pos // block_size) * block_size + pos % block_size).view(-1)
     # One flat gather (index_select) instead of 2-D advanced indexing: cheaper per call.
-    flat = cache.reshape(-1, *cache.shape[2:]).index_select(0, slots.reshape(-1))
-    return flat.view(*slots.shape, *cache.shape[2:])
+    kk = k_cache.reshape(-1, *k_cache.shape[2:]).index_select(0, slots)
+    vv = v_cache.reshape(-1, *v_cache.shape[2:]).index_select(0, slots)
+    shape = (block_table.shape[0], ctx_len) + tuple(k_cache.shape[2:])
+    return kk.view(shape), vv.view(shape)
 
 
 def _attend(q: Float[Tensor, "num_reqs q_len heads head_dim"], k: Float[Tensor, "num_reqs ctx_len kv_heads head_dim"],
             v: Float[Tensor, "num_reqs ctx_len kv_heads head_dim"], q_pos: Int[Tensor, "num_reqs q_len"],
-            seq_lens: Int[Tensor, "num_reqs"], scale: float, sliding_window: int | None,
-            softcap: float | None) -> Float[Tensor, "num_reqs q_len heads head_dim"]:
-    """q [R, Q, H, D] at positions q_pos [R, Q]; k, v [R, K, KVH, D] at positions 0..K-1,
-    of which the first seq_lens[r] are real. Returns [R, Q, H, D] in q's dtype."""
+            scale: float, sliding_window: int | None, softcap: float | None
+            ) -> Float[Tensor, "num_reqs q_len heads head_dim"]:
+    """q [R, Q, H, D] at positions q_pos [R, Q]; k, v [R, K, KVH, D] at positions 0..K-1
+    (causal: a query at p sees keys 0..p, which are all real). Returns [R, Q, H, D] in q's
+    dtype."""
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
     heads, kv_heads = q.shape[2], k.shape[2]
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
     k_pos = torch.arange(k.shape[1], device=q.device)
-    in_seq = k_pos[None, :] < seq_lens.to(q.device)[:, None]                          # [R, K]
-    visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & in_seq[:, None, :]         # [R, Q, K]
+    visible = k_pos <= q_pos[:, :, None]                                                # [R, Q, K]
     if sliding_window is not None:
-        visible &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    # Keys past seq_len may be null-block garbage (even NaN): zero them, since 0 * NaN = NaN.
-    # k and v are fresh gathers (see _gather_kv), so this may write in place.
-    k = k.to(cd).masked_fill_(~in_seq[:, :, None, None], 0.0)
-    v = v.to(cd).masked_fill_(~in_seq[:, :, None, None], 0.0)
-    qh, kh, vh = q.to(cd).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)       # [R, heads, *, D]
+        visible &= k_pos > q_pos[:, :, None] - sliding_window
+    qh, kh, vh = ((x if x.dtype == cd else x.to(cd)).transpose(1, 2) for x in (q, k, v))  # [R, heads, *, D]
     if softcap is None:
         # Query head h reads KV head h // (heads // kv_heads) (enable_gqa groups them so).
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible[:, None], scale=scale,
-                                             enable_gqa=heads != kv_heads)
+                                             enable_gqa=bool(heads != kv_heads))
     else:
         kh = kh.repeat_interleave(heads // kv_heads, dim=1)
         vh = vh.repeat_interleave(heads // kv_heads, dim=1)
         scores = (qh @ kh.transpose(-1, -2)) * scale
         scores = softcap * torch.tanh(scores / softcap)
         out = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), dim=-1) @ vh
-    return out.transpose(1, 2).to(q.dtype)
+    out = out.transpose(1, 2)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 @checked
@@ -103,11 +109,9 @@ def paged_attention_prefill(
         start, end, ctx = bounds[i], bounds[i + 1], lens[i]
         if end == start:
             continue
-        kk = _gather_kv(k_cache, block_table[i:i + 1], ctx)
-        vv = _gather_kv(v_cache, block_table[i:i + 1], ctx)
+        kk, vv = _gather_kv(k_cache, v_cache, block_table[i:i + 1], seq_lens[i:i + 1], ctx)
         q_pos = torch.arange(ctx - (end - start), ctx, device=q.device)[None]
-        out[start:end] = _attend(q[None, start:end], kk, vv, q_pos, seq_lens[i:i + 1], scale,
-                                 sliding_window, softcap)[0]
+        out[start:end] = _attend(q[None, start:end], kk, vv, q_pos, scale, sliding_window, softcap)[0]
     return out
 
 
@@ -132,8 +136,6 @@ def paged_attention_verify(
     bundle = q.shape[1]
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
-    ctx = max_seq_len
-    kk = _gather_kv(k_cache, block_table, ctx)
-    vv = _gather_kv(v_cache, block_table, ctx)
-    q_pos = seq_lens.long().to(q.device)[:, None] - bundle + torch.arange(bundle, device=q.device)
-    return _attend(q, kk, vv, q_pos, seq_lens, scale, sliding_window, softcap)
+    kk, vv = _gather_kv(k_cache, v_cache, block_table, seq_lens, max_seq_len)
+    q_pos = seq_lens[:, None] - bundle + torch.arange(bundle, device=q.device)
+    return _attend(q, kk, vv, q_pos, scale, sliding_window, softcap)

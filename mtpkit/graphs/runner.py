@@ -6,12 +6,22 @@ Two graphs per size n (each holds exactly n * bundle query tokens):
   passes), reading the verify graph's hidden states and the accepted counts.
 Rejection sampling runs between them, eager (it draws from per-request generators).
 
-On CUDA: warm up, capture largest size first into one shared memory pool, replay. On CPU the
-same static-buffer path runs the captured callables directly ("replay" = call), so CI covers
-every padding and metadata path; `enforce_eager=True` bypasses this runner entirely.
+How a graph is captured and replayed depends on the device:
+- CUDA: warm up, capture largest size first into one shared memory pool, replay.
+- CPU: the same bodies are traced (torch.jit.trace) on the same static buffers, and a replay
+  runs the TorchScript graph: no Python per op, which at decode sizes is most of a step's
+  cost. Attention reads K/V up to a fixed context length, so a CPU graph is keyed by
+  (n, context bucket): the next power of two >= the longest sequence, traced when first
+  needed. Traced with inert rows in the buffers, so tracing writes only null storage.
+- CPU, with tensor parallelism (the collectives are not traceable), a non-torch attention
+  backend (Triton under its interpreter) or in debug mode (every step's shapes checked): the
+  bodies are called directly on the buffers ("replay" = call).
+Every mode runs the same static-buffer path, so CI covers every padding and metadata path;
+`enforce_eager=True` bypasses this runner entirely.
 """
 
 import dataclasses
+import warnings
 
 import torch
 
@@ -19,9 +29,11 @@ from ..attn.metadata import UniformMetadata, UniformRow, build_uniform
 from ..config import EngineConfig
 from ..engine.cache import CacheTensors
 from ..models.qwen3_next import Qwen3NextForCausalLM
-from ..shapes import Float, Int, Tensor, checked
+from ..shapes import Float, Int, Tensor, checked, is_debug
 from ..spec.mtp import MTPProposer
 from .plan import CapturePlan
+
+MIN_CPU_CONTEXT = 64  # smallest context bucket of a CPU graph
 
 
 @dataclasses.dataclass
@@ -43,17 +55,29 @@ class StaticBuffers:
         def z(*shape):
             return torch.zeros(*shape, dtype=torch.int64, device=device)
         n = max_reqs * bundle
-        # Every row starts as an inert padded row (see attn.metadata).
-        return cls(z(n), torch.arange(bundle, device=device).repeat(max_reqs), z(n),
-                   torch.full((max_reqs,), bundle, dtype=torch.int64, device=device),
-                   z(max_reqs, max_blocks), z(max_reqs, bundle),
-                   torch.ones(max_reqs, dtype=torch.int64, device=device), z(n),
-                   torch.arange(max_reqs, device=device) * bundle)
+        buf = cls(z(n), z(n), z(n), z(max_reqs), z(max_reqs, max_blocks), z(max_reqs, bundle), z(max_reqs),
+                  z(n), z(max_reqs))
+        buf.make_inert(max_reqs, bundle)
+        return buf
 
-    def meta(self, n: int, bundle: int, max_seq_len: int) -> UniformMetadata:
-        """Metadata over the first n rows: views of the buffers, so a graph sees new values."""
-        return UniformMetadata(self.seq_lens[:n], self.block_table[:n], self.slot_mapping[:n * bundle],
-                               self.state_slots[:n], self.num_accepted[:n], n, n, bundle, max_seq_len)
+    def make_inert(self, n: int, bundle: int) -> None:
+        """Rows 0..n-1 become inert padded rows (see attn.metadata): whatever runs on them
+        reads and writes only the null block and the null slot."""
+        self.token_ids[:n * bundle].zero_()
+        self.positions[:n * bundle].copy_(torch.arange(bundle, device=self.positions.device).repeat(n))
+        self.slot_mapping[:n * bundle].zero_()
+        self.seq_lens[:n].fill_(bundle)
+        self.block_table[:n].zero_()
+        self.state_slots[:n].zero_()
+        self.num_accepted[:n].fill_(1)
+        self.next_tokens[:n * bundle].zero_()
+        self.last_idx[:n].copy_(torch.arange(n, device=self.last_idx.device) * bundle)
+
+    def inputs(self, n: int, bundle: int) -> tuple[Tensor, ...]:
+        """The views a verify graph reads, in its argument order."""
+        T = n * bundle
+        return (self.token_ids[:T], self.positions[:T], self.slot_mapping[:T], self.seq_lens[:n],
+                self.block_table[:n], self.state_slots[:n], self.num_accepted[:n])
 
 
 class GraphRunner:
@@ -63,55 +87,114 @@ class GraphRunner:
         self.proposer, self.device, self.bundle = proposer, device, ecfg.bundle
         self.buf = StaticBuffers.allocate(plan.sizes[-1], self.bundle, ecfg.max_blocks, device)
         self.cuda = device.type == "cuda"
-        self.verify_graphs: dict[int, object] = {}
-        self.propose_graphs: dict[int, object] = {}
+        # CPU graphs are traced unless the trace would leave something out: the model's
+        # collectives, or kernels the tracer cannot see into (Triton, run by its interpreter).
+        self.trace = not self.cuda and model.tp.size == 1 and model.ops.name == "torch"
+        self.verify_graphs: dict = {}     # CUDA: n -> graph; CPU: (n, context) -> traced function
+        self.propose_graphs: dict = {}
         self.outputs: dict[int, dict[str, Tensor]] = {}
         self.pool = None
+        self._key = None                  # the graph the last `verify` replayed
 
     # ---- the captured bodies --------------------------------------------------------------
-    def _verify_body(self, n: int, max_seq_len: int) -> dict[str, Tensor]:
-        B, buf = self.bundle, self.buf
-        meta = buf.meta(n, B, max_seq_len)
-        hidden = self.model(buf.token_ids[:n * B], buf.positions[:n * B], meta, self.cache)
-        return {"hidden": hidden, "logits": self.model.compute_logits(hidden)}
+    def _meta(self, slot_mapping, seq_lens, block_table, state_slots, num_accepted, max_seq_len) -> UniformMetadata:
+        n = seq_lens.shape[0]
+        return UniformMetadata(seq_lens, block_table, slot_mapping, state_slots, num_accepted, n, n,
+                               self.bundle, max_seq_len)
 
-    def _propose_body(self, n: int, max_seq_len: int, hidden: Float[Tensor, "num_tokens hidden"]
-                      ) -> dict[str, Tensor]:
+    # The cache tensors are graph inputs too, not constants a trace would hold: TorchScript's
+    # optimiser may fold ops on constants, and the caches change between replays.
+    def _cache_args(self) -> tuple[Tensor, ...]:
+        c = self.cache
+        return tuple(t for kv in c.kv for t in kv) + tuple(c.conv) + tuple(c.ssm)
+
+    def _cache_from(self, flat) -> CacheTensors:
+        nkv, nconv = 2 * len(self.cache.kv), len(self.cache.conv)
+        kv = list(zip(flat[0:nkv:2], flat[1:nkv:2]))
+        return CacheTensors(kv, list(flat[nkv:nkv + nconv]), list(flat[nkv + nconv:]), self.cache.block_size)
+
+    def _verify_fn(self, max_seq_len: int):
+        def verify(token_ids, positions, slot_mapping, seq_lens, block_table, state_slots, num_accepted, *cache):
+            meta = self._meta(slot_mapping, seq_lens, block_table, state_slots, num_accepted, max_seq_len)
+            hidden = self.model(token_ids, positions, meta, self._cache_from(cache))
+            return hidden, self.model.compute_logits(hidden)
+        return verify
+
+    def _propose_fn(self, max_seq_len: int):
+        def propose(hidden, next_tokens, last_idx, token_ids, positions, slot_mapping, seq_lens, block_table,
+                    state_slots, num_accepted, *cache):
+            meta = self._meta(slot_mapping, seq_lens, block_table, state_slots, num_accepted, max_seq_len)
+            return self.proposer.propose(hidden, next_tokens, positions, meta, self._cache_from(cache), last_idx,
+                                         block_table)
+        return propose
+
+    def _verify_args(self, n: int) -> tuple[Tensor, ...]:
+        return self.buf.inputs(n, self.bundle) + self._cache_args()
+
+    def _propose_args(self, n: int, hidden: Tensor) -> tuple[Tensor, ...]:
         B, buf = self.bundle, self.buf
-        meta = buf.meta(n, B, max_seq_len)
-        drafts = self.proposer.propose(hidden, buf.next_tokens[:n * B], buf.positions[:n * B], meta,
-                                       self.cache, buf.last_idx[:n], buf.block_table[:n])
-        return {"drafts": drafts}
+        return (hidden, buf.next_tokens[:n * B], buf.last_idx[:n]) + self._verify_args(n)
 
     # ---- capture ------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
-        """Largest size first, so the shared pool is sized by the first capture. Buffers hold
-        inert padded rows while capturing: warm-up and capture write only null storage."""
-        max_len = self.cfg.max_positions
+        """CUDA: every size now, largest first, so the shared pool is sized by the first
+        capture. Buffers hold inert padded rows while capturing: warm-up and capture write
+        only null storage. (CPU graphs are traced when first needed: see `_cpu_graph`.)"""
         if not self.cuda:
-            return  # CPU: the bodies are called directly at replay
+            return
+        max_len = self.cfg.max_positions
+        verify, propose = self._verify_fn(max_len), self._propose_fn(max_len)
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for n in self.plan.capture_order():
+            args = self._verify_args(n)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: allocator, kernels' first-launch work
-                    out = self._verify_body(n, max_len)
+                    hidden, _ = verify(*args)
                     if self.proposer is not None:
-                        self._propose_body(n, max_len, out["hidden"])
+                        propose(*self._propose_args(n, hidden))
             torch.cuda.current_stream().wait_stream(stream)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                out = self._verify_body(n, max_len)
-            self.verify_graphs[n], self.outputs[n] = g, dict(out)
+                hidden, logits = verify(*args)
+            self.verify_graphs[n], self.outputs[n] = g, {"hidden": hidden, "logits": logits}
             if self.proposer is not None:
                 gp = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(gp, pool=self.pool):
-                    pout = self._propose_body(n, max_len, out["hidden"])
+                    drafts = propose(*self._propose_args(n, hidden))
                 self.propose_graphs[n] = gp
-                self.outputs[n].update(pout)
+                self.outputs[n]["drafts"] = drafts
         torch.cuda.synchronize()
+
+    def context_bucket(self, max_seq_len: int) -> int:
+        """The context a CPU graph attends over for sequences up to max_seq_len."""
+        cap = self.cfg.max_blocks * self.cfg.block_size
+        return min(cap, max(MIN_CPU_CONTEXT, 1 << (max_seq_len - 1).bit_length()))
+
+    def _cpu_graph(self, n: int, context: int):
+        """The traced (verify, propose) functions of size n and this context, traced now if
+        new: on inert rows (the buffers' real rows are filled after this)."""
+        key = (n, context)
+        if key not in self.verify_graphs:
+            B = self.bundle
+            self.buf.make_inert(n, B)
+            args = self._verify_args(n)
+            with warnings.catch_warnings():
+                # Shape checks become constants, as they must: a graph is one shape. (A
+                # data-dependent host read would break CUDA capture the same way; tests run
+                # every graph path against enforce_eager.)
+                warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                verify = torch.jit.trace(self._verify_fn(context), args, check_trace=False)
+                propose = None
+                if self.proposer is not None:
+                    hidden, _ = verify(*args)
+                    propose = torch.jit.trace(self._propose_fn(context),
+                                              self._propose_args(n, hidden), check_trace=False)
+            self.verify_graphs[key], self.propose_graphs[key] = verify, propose
+        return self.verify_graphs[key], self.propose_graphs[key]
 
     # ---- replay -------------------------------------------------------------------------
     @checked
@@ -119,6 +202,11 @@ class GraphRunner:
             Float[Tensor, "num_tokens hidden"], Float[Tensor, "num_tokens vocab"], Int[Tensor, "num_tokens"]]:
         """Fill the buffers with the real rows and inert padded rows, replay verify[n]."""
         n, B = num_reqs_padded, self.bundle
+        max_seq_len = max(r.start for r in rows) + B
+        traced = self.trace and not is_debug()
+        if traced:
+            context = self.context_bucket(max_seq_len)
+            verify, _ = self._cpu_graph(n, context)
         tok, pos, meta = build_uniform(rows, n, self.cfg.block_size, self.cfg.max_blocks, self.device)
         buf = self.buf
         buf.token_ids[:n * B].copy_(tok)
@@ -128,13 +216,18 @@ class GraphRunner:
         buf.block_table[:n].copy_(meta.block_table)
         buf.state_slots[:n].copy_(meta.state_slots)
         buf.num_accepted[:n].copy_(meta.num_accepted)
-        self._max_seq_len = meta.max_seq_len
         if self.cuda:
             self.verify_graphs[n].replay()
+            self._key = n
             out = self.outputs[n]
         else:
-            out = self._verify_body(n, meta.max_seq_len)
-            self.outputs[n] = out
+            if traced:
+                self._key = (n, context)
+                hidden, logits = verify(*self._verify_args(n))
+            else:
+                self._key = (n, None, meta.max_seq_len)
+                hidden, logits = self._verify_fn(meta.max_seq_len)(*self._verify_args(n))
+            out = self.outputs[n] = {"hidden": hidden, "logits": logits}
         return out["hidden"], out["logits"], buf.positions[:n * B]
 
     @checked
@@ -147,9 +240,12 @@ class GraphRunner:
         if self.cuda:
             self.propose_graphs[n].replay()
             return self.outputs[n]["drafts"]
-        return self._propose_body(n, self._max_seq_len, self.outputs[n]["hidden"])["drafts"]
+        args = self._propose_args(n, self.outputs[n]["hidden"])
+        if self._key[1] is not None:  # traced
+            return self.propose_graphs[self._key](*args)
+        return self._propose_fn(self._key[2])(*args)
 
     def describe(self) -> str:
-        mode = "CUDA graphs" if self.cuda else "static buffers (CPU replay)"
+        mode = ("CUDA graphs" if self.cuda else "TorchScript traces on CPU" if self.trace
+                else "static buffers (CPU replay)")
         return f"{mode}: {self.plan.describe()}"
-

@@ -1,9 +1,12 @@
 """Building blocks shared by the models: the linear-layer family, norms, RoPE, MLP and MoE.
 
-All linear layers go through `Linear` and its parallel forms (column, row, KV heads), so that
-tensor parallelism shards weights (and loads only its slices) in one place: `shard_dim` says
-which weight dim is split; a row-parallel output is all-reduced (one all-reduce each). The
-vocabulary-parallel embedding and lm_head are the two functions after them.
+All linear layers go through `Linear` and its parallel forms (column, merged column, row, KV
+heads), so that tensor parallelism shards weights (and loads only its slices) in one place:
+`shard_dim` says which weight dim is split; a row-parallel output is all-reduced (one
+all-reduce each). The vocabulary-parallel embedding and lm_head are the two functions after
+them. Projections of the same input are merged into one weight (one matmul): at decode batch
+sizes every op costs a fixed overhead, so fewer, larger ops are what makes a step fast.
+Each module that merges checkpoint tensors says how (`checkpoint_specs`, see weights.py).
 
 The linear family and the norms are shape-polymorphic (any leading dims, the feature dim
 last: tokens x hidden, tokens x heads x head_dim, tokens*heads x v_dim), so their forward
@@ -17,6 +20,7 @@ from torch import nn
 
 from ..parallel import TP
 from ..shapes import Float, Int, Tensor, checked
+from .weights import WeightSpec, inverse, narrow, read, shard_range
 
 
 class Linear(nn.Module):
@@ -37,19 +41,20 @@ class Linear(nn.Module):
 
     def _part(self) -> tuple[int, int]:
         """(start, length) of this rank's slice of the sharded dim."""
-        tp, blocks = self.tp, self.full_shape[self.shard_dim] // self.block
-        if self.replicate_blocks and blocks < tp.size and tp.size % blocks == 0:
-            # Block b lives on ranks b * size/blocks ... (b+1) * size/blocks - 1.
-            return tp.rank // (tp.size // blocks) * self.block, self.block
-        per = tp.split(blocks, what=type(self).__name__) * self.block
-        return tp.rank * per, per
+        return shard_range(self.full_shape[self.shard_dim], self.block, self.tp, type(self).__name__,
+                           self.replicate_blocks)
 
-    def load_full(self, full):
+    def load_full(self, full) -> torch.Tensor:
         """This rank's part of a full checkpoint tensor (or of a not-yet-read one: anything
         with .narrow reads only the slice)."""
         if self.shard_dim is None or self.tp.size == 1:
-            return full
-        return full.narrow(self.shard_dim, *self._part()).contiguous()
+            return read(full)
+        return narrow(full, self.shard_dim, *self._part()).contiguous()
+
+    def checkpoint_specs(self, prefix: str) -> list[WeightSpec]:
+        name = prefix + ".weight"
+        return [WeightSpec(self.weight, {name: self.full_shape}, lambda t: self.load_full(t[name]),
+                           lambda w: {name: w})]
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight)
@@ -81,6 +86,39 @@ class KVParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, num_kv_heads * head_dim, tp, block=head_dim)
 
 
+class MergedColumnParallelLinear(Linear):
+    """Several column-parallel projections of one input as one weight, computed by one matmul.
+
+    `parts`: (checkpoint name relative to the parent module, out_features, block, replicate)
+    each, sharded like a ColumnParallelLinear (KVParallelLinear with replicate). Rank r holds
+    its shard of every part, concatenated in order; then, if `order` is given, row i of the
+    weight is row order[i] of that concatenation: the layout the caller's forward reads."""
+
+    def __init__(self, in_features: int, parts: list[tuple[str, int, int, bool]], tp: TP | None = None,
+                 order: Tensor | None = None):
+        nn.Module.__init__(self)
+        self.tp, self.parts, self.order = tp or TP.single(), parts, order
+        self.ranges = [shard_range(n, block, self.tp, name, rep) for name, n, block, rep in parts]
+        self.sizes = [length for _, length in self.ranges]
+        self.full_shape = (sum(n for _, n, _, _ in parts), in_features)
+        self.weight = nn.Parameter(torch.empty(sum(self.sizes), in_features), requires_grad=False)
+
+    def checkpoint_specs(self, prefix: str) -> list[WeightSpec]:
+        parent = prefix.rpartition(".")[0]
+        names = [f"{parent}.{name}.weight" for name, *_ in self.parts]
+        sources = {n: (rows, self.full_shape[1]) for n, (_, rows, _, _) in zip(names, self.parts)}
+
+        def assemble(t):
+            w = torch.cat([narrow(t[n], 0, start, length) for n, (start, length) in zip(names, self.ranges)])
+            return w if self.order is None else w[self.order]
+
+        def export(w):
+            w = w if self.order is None else w[inverse(self.order)]
+            return dict(zip(names, w.split(self.sizes)))
+
+        return [WeightSpec(self.weight, sources, assemble, export)]
+
+
 @checked
 def vocab_parallel_embedding(token_ids: Int[Tensor, "num_tokens"], weight: Float[Tensor, "vocab_shard hidden"],
                              tp: TP) -> Float[Tensor, "num_tokens hidden"]:
@@ -104,6 +142,11 @@ def vocab_parallel_logits(hidden: Float[Tensor, "num_logits hidden"], weight: Fl
     return logits if tp.size == 1 else tp.all_gather(logits)[..., :vocab]
 
 
+def _float(x: Tensor) -> Tensor:
+    """fp32 for the norms' arithmetic (fp64 stays fp64); no op when already so."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm of Qwen3-Next: y = norm(x) * (1 + w), in fp32, cast back at the end."""
 
@@ -112,9 +155,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
 
+    def scale(self, dtype: torch.dtype) -> Tensor:
+        """1 + w in `dtype` (the weight is added to 1 in fp32 at least, as the reference does)."""
+        w = self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
+        return w + 1.0
+
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float() if x.dtype != torch.float64 else x
-        return F.rms_norm(xf, (xf.shape[-1],), self.weight.to(xf.dtype) + 1.0, self.eps).to(x.dtype)
+        xf = _float(x)
+        y = F.rms_norm(xf, (xf.shape[-1],), self.scale(xf.dtype), self.eps)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -127,135 +176,56 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: Tensor, z: Tensor) -> Tensor:
         dtype = x.dtype
-        xf = x.float() if dtype != torch.float64 else x
-        y = self.weight * F.rms_norm(xf, (xf.shape[-1],), None, self.eps).to(dtype)
-        zf = z.float() if dtype != torch.float64 else z
-        return (y * F.silu(zf)).to(dtype)
+        if dtype in (torch.float32, torch.float64):  # w * norm(x) is then one rounding either way
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps) * F.silu(z)
+        # Lower precision: the reference rounds norm(x) to the input dtype before the weight.
+        y = self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(dtype)
+        return (y * F.silu(z.float())).to(dtype)
 
 
 class PartialRoPE(nn.Module):
     """rotate_half RoPE on the first rot_dim dims of each head; frequencies in fp32 as the
-    reference computes them, so logits match it."""
+    reference computes them, so logits match it.
+
+    Written over the whole head: angles are 0 past rot_dim (cos 1, sin 0), and rotate_half
+    is a signed permutation matrix (zero past rot_dim), so x * cos + (x @ P) * sin is the
+    reference's arithmetic on the rotated dims and leaves the others exactly as they were,
+    in four ops instead of a dozen slices and concatenations."""
 
     def __init__(self, head_dim: int, rot_dim: int, theta: float):
         super().__init__()
         self.rot_dim = rot_dim
         inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        full = torch.zeros(head_dim)
+        full[:rot_dim] = torch.cat([inv_freq, inv_freq])
+        self.register_buffer("inv_freq_full", full, persistent=False)
+        half, idx = rot_dim // 2, torch.arange(rot_dim // 2)
+        P = torch.zeros(head_dim, head_dim)
+        P[idx + half, idx] = -1.0        # out[i] = -x[i + half]   (i < half)
+        P[idx, idx + half] = 1.0         # out[i + half] = x[i]
+        self.register_buffer("rotate_half", P, persistent=False)
 
     @checked
-    def forward(
-        self,
-        positions: Int[Tensor, "num_tokens"],
-        q: Float[Tensor, "num_tokens heads head_dim"],
-        k: Float[Tensor, "num_tokens kv_heads head_dim"],
-    ) -> tuple[Float[Tensor, "num_tokens heads head_dim"], Float[Tensor, "num_tokens kv_heads head_dim"]]:
-        freqs = positions[:, None].float() * self.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    def _rotate(self, x: Float[Tensor, "num_tokens _ head_dim"], cos: Float[Tensor, "num_tokens 1 head_dim"],
-                sin: Float[Tensor, "num_tokens 1 head_dim"]) -> Float[Tensor, "num_tokens _ head_dim"]:
-        # the middle dim is heads for q and kv_heads for k: "_" leaves it unnamed
-        r = self.rot_dim
-        x_rot, x_pass = x[..., :r], x[..., r:]
-        x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
-        rotated = torch.cat((-x2, x1), dim=-1)
-        return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+    def forward(self, positions: Int[Tensor, "num_tokens"], x: Float[Tensor, "num_tokens qk_heads head_dim"]
+                ) -> Float[Tensor, "num_tokens qk_heads head_dim"]:
+        angles = positions[:, None].float() * self.inv_freq_full             # [T, head_dim]
+        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+        P = self.rotate_half
+        if x.dtype != cos.dtype:
+            cos, sin, P = cos.to(x.dtype), sin.to(x.dtype), P.to(x.dtype)
+        return x * cos + (x @ P) * sin
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP (dense layers and the shared expert)."""
+    """SwiGLU MLP (dense layers): gate and up projections merged, then down."""
 
     def __init__(self, hidden: int, intermediate: int, tp: TP):
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden, intermediate, tp)
-        self.up_proj = ColumnParallelLinear(hidden, intermediate, tp)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [("gate_proj", intermediate, 1, False), ("up_proj", intermediate, 1, False)], tp)
         self.down_proj = RowParallelLinear(intermediate, hidden, tp)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class SparseMoE(nn.Module):
-    """Router softmax over all experts in fp32, top-k, optional renormalisation; SwiGLU experts
-    with fused weights (w13 = [gate; up] per expert, as transformers fuses them on load); a
-    shared expert scaled by sigmoid(shared_expert_gate(x)). Output = routed + gated shared.
-
-    Tensor parallelism shards the experts: rank r holds whole experts r*E/size ... and computes
-    only their share of the routed sum (the router is replicated, so every rank routes alike);
-    the shared expert is split like an MLP. One all-reduce sums routed + shared together.
-    Whole experts (not slices of each) keep every expert's matmuls full-sized and let each
-    rank read only its experts from the checkpoint."""
-
-    def __init__(self, hidden: int, num_experts: int, topk: int, intermediate: int,
-                 shared_intermediate: int, norm_topk: bool, tp: TP):
-        super().__init__()
-        self.tp, self.topk, self.norm_topk = tp, topk, norm_topk
-        self.gate = Linear(hidden, num_experts, tp)
-        self.num_local = tp.split(num_experts, what="num_experts")
-        self.first = tp.rank * self.num_local  # global id of this rank's first expert
-        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * intermediate, hidden), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden, intermediate), requires_grad=False)
-        self.shared_expert = MLP(hidden, shared_intermediate, tp) if shared_intermediate > 0 else None
-        self.shared_expert_gate = Linear(hidden, 1, tp) if shared_intermediate > 0 else None
-
-    @checked
-    def route(self, x: Float[Tensor, "num_tokens hidden"]) -> tuple[
-            Float[Tensor, "num_tokens topk"], Int[Tensor, "num_tokens topk"]]:
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.topk, dim=-1)
-        if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), experts
-
-    # Below this many token-expert pairs a step computes every expert for every token (one
-    # batched product, no data-dependent shapes): each token's result is then independent of
-    # the other tokens in the batch (padded rows cannot change real rows' rounding) and the
-    # step is capturable in a CUDA graph. Larger steps (prefill) loop over the experts hit.
-    # Measured on CPU (hidden 256, 8 experts, top-2): dense is faster up to ~100 tokens.
-    dense_limit: int = 1024
-
-    @checked
-    def forward(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens hidden"]:
-        weights, experts = self.route(x)
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        if capturing or x.shape[0] * self.w13.shape[0] <= self.dense_limit:
-            out = self._dense(x, weights, experts)
-        else:
-            out = self._grouped(x, weights, experts)
-        if self.shared_expert is not None:
-            # Partial (un-reduced) shared output: summed with the routed part in one all-reduce.
-            s = self.shared_expert
-            shared = F.linear(F.silu(s.gate_proj(x)) * s.up_proj(x), s.down_proj.weight)
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
-        return self.tp.all_reduce(out)
-
-    def _dense(self, x: Float[Tensor, "num_tokens hidden"], weights: Float[Tensor, "num_tokens topk"],
-               experts: Int[Tensor, "num_tokens topk"]) -> Float[Tensor, "num_tokens hidden"]:
-        E = self.gate.weight.shape[0]
-        gate = torch.zeros(x.shape[0], E, dtype=x.dtype, device=x.device).scatter(1, experts, weights)
-        gate = gate[:, self.first:self.first + self.num_local]                # this rank's experts
-        g, u = torch.matmul(x, self.w13.transpose(1, 2)).chunk(2, dim=-1)     # [E, T, I]
-        y = torch.matmul(F.silu(g) * u, self.w2.transpose(1, 2))              # [E, T, H]
-        return (y * gate.T[:, :, None]).sum(0)
-
-    def _grouped(self, x: Float[Tensor, "num_tokens hidden"], weights: Float[Tensor, "num_tokens topk"],
-                 experts: Int[Tensor, "num_tokens topk"]) -> Float[Tensor, "num_tokens hidden"]:
-        out = torch.zeros_like(x)
-        flat = experts.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate.weight.shape[0]).tolist()
-        token_of = order // self.topk
-        start = 0
-        for e, n in enumerate(counts):
-            idx, tok = order[start:start + n], token_of[start:start + n]
-            start += n
-            local = e - self.first
-            if n == 0 or not 0 <= local < self.num_local:  # not routed here, or another rank's
-                continue
-            g, u = F.linear(x[tok], self.w13[local]).chunk(2, dim=-1)
-            y = F.linear(F.silu(g) * u, self.w2[local]) * weights.flatten()[idx, None]
-            out.index_add_(0, tok, y)
-        return out
+        g, u = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(g) * u)

@@ -16,15 +16,8 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError
-from .layers import Linear
 from .qwen3_next import GatedDeltaNet, Qwen3NextForCausalLM
-
-
-@dataclasses.dataclass
-class WeightSpec:
-    param: torch.nn.Parameter
-    sources: dict[str, tuple[int, ...]]           # checkpoint name -> expected full shape
-    assemble: Callable[[dict], torch.Tensor]  # full (Stored) tensors -> this rank's param
+from .weights import WeightSpec, narrow, read
 
 
 class Stored:
@@ -41,10 +34,6 @@ class Stored:
 
     def read(self) -> torch.Tensor:
         return self._sl[:]
-
-
-def _tensor(x) -> torch.Tensor:
-    return x.read() if isinstance(x, Stored) else x
 
 
 def checkpoint_index(path: Path) -> dict[str, Path]:
@@ -79,68 +68,71 @@ def _shapes(index: dict[str, Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _param_specs(model: Qwen3NextForCausalLM) -> list[WeightSpec]:
+def weight_specs(model: Qwen3NextForCausalLM) -> list[WeightSpec]:
+    """Every parameter with the checkpoint tensors it is made from (see weights.py)."""
     cfg, tp = model.cfg, model.tp
-    modules = dict(model.named_modules())
-    specs: list[WeightSpec] = []
     V, H = cfg.vocab_size, cfg.hidden_size
+    specs: list[WeightSpec] = []
+
+    def simple(p, name, shape, assemble=lambda x: read(x), export=lambda w: w):
+        specs.append(WeightSpec(p, {name: shape}, lambda t: assemble(t[name]), lambda w: {name: export(w)}))
+
     # Vocab-parallel: rank r holds rows r*ceil(V/size) ... (zero-padded past V).
-    specs.append(WeightSpec(model.embed_tokens, {"model.embed_tokens.weight": (V, H)},
-                            lambda t: tp.shard_padded(next(iter(t.values())), 0)))
+    simple(model.embed_tokens, "model.embed_tokens.weight", (V, H), lambda x: tp.shard_padded(x, 0))
     if model.lm_head is not None:
-        specs.append(WeightSpec(model.lm_head, {"lm_head.weight": (V, H)},
-                                lambda t: tp.shard_padded(next(iter(t.values())), 0)))
+        simple(model.lm_head, "lm_head.weight", (V, H), lambda x: tp.shard_padded(x, 0))
+    owned = {id(model.embed_tokens), id(model.lm_head)}
+    for mname, m in model.named_modules():
+        if mname and hasattr(m, "checkpoint_specs"):  # linear family, MoE: merged layouts
+            for spec in m.checkpoint_specs(_checkpoint_name(mname)):
+                specs.append(spec)
+                owned.add(id(spec.param))
+    modules = dict(model.named_modules())
     for pname, p in model.named_parameters():
-        if pname in ("embed_tokens", "lm_head"):
+        if id(p) in owned:
             continue
         owner_name, _, leaf = pname.rpartition(".")
-        owner = modules[owner_name]
-        ck = pname if pname.startswith("mtp.") else "model." + pname
-        ck_owner = ck.rpartition(".")[0]
-        if isinstance(owner, Linear):
-            specs.append(WeightSpec(p, {ck: owner.full_shape}, lambda t, m=owner: m.load_full(next(iter(t.values())))))
-        elif leaf == "conv_weight":
-            specs.append(_conv_spec(owner, p, ck_owner, cfg, tp))
+        ck = _checkpoint_name(pname)
+        if leaf == "conv_weight":
+            specs.append(_conv_spec(modules[owner_name], p, ck.rpartition(".")[0], cfg, tp))
         elif leaf in ("A_log", "dt_bias"):
-            specs.append(WeightSpec(p, {ck: (cfg.linear_num_value_heads,)},
-                                    lambda t: tp.shard(next(iter(t.values())), 0)))
-        elif leaf in ("w13", "w2"):
-            specs.append(_expert_spec(p, leaf, ck_owner, cfg, tp))
+            simple(p, ck, (cfg.linear_num_value_heads,), lambda x: tp.shard(x, 0))
         else:  # norms: replicated, same shape everywhere
-            specs.append(WeightSpec(p, {ck: tuple(p.shape)}, lambda t: next(iter(t.values()))))
+            simple(p, ck, tuple(p.shape))
     return specs
+
+
+def _checkpoint_name(name: str) -> str:
+    return name if name.startswith("mtp.") else "model." + name
+
+
+def export_state_dict(model: Qwen3NextForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's parameters under the checkpoint's names and shapes (the inverse of loading;
+    single rank)."""
+    if model.tp.size != 1:
+        raise ValueError("export_state_dict needs the whole model: tensor_parallel_size must be 1")
+    out: dict[str, torch.Tensor] = {}
+    for spec in weight_specs(model):
+        for name, t in spec.export(spec.param).items():
+            assert name not in out, name
+            out[name] = t
+    return out
 
 
 def _conv_spec(owner: GatedDeltaNet, p, prefix: str, cfg, tp) -> WeightSpec:
     # Channels are [q (Dk) | k (Dk) | v (Dv)]: each segment is sharded on its own.
+    name = prefix + ".conv1d.weight"
+
     def assemble(t):
-        w, parts, start = next(iter(t.values())), [], 0
+        w, parts, start = t[name], [], 0
         for seg in (cfg.key_dim, cfg.key_dim, cfg.value_dim):
             part = seg // tp.size
-            parts.append(w.narrow(0, start + tp.rank * part, part))
+            parts.append(narrow(w, 0, start + tp.rank * part, part))
             start += seg
         return torch.cat(parts, dim=0).squeeze(1)
 
-    return WeightSpec(p, {prefix + ".conv1d.weight": (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim)}, assemble)
-
-
-def _expert_spec(p, leaf: str, prefix: str, cfg, tp) -> WeightSpec:
-    # Every expert is checked; only this rank's experts (see SparseMoE) are read.
-    E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    ex, n = prefix + ".experts", E // tp.size
-    mine = range(tp.rank * n, (tp.rank + 1) * n)
-    if leaf == "w13":
-        names = {f"{ex}.{e}.{w}.weight": (inter, H) for e in range(E) for w in ("gate_proj", "up_proj")}
-
-        def assemble(t):
-            return torch.stack([torch.cat([_tensor(t[f"{ex}.{e}.gate_proj.weight"]),
-                                           _tensor(t[f"{ex}.{e}.up_proj.weight"])]) for e in mine])
-    else:
-        names = {f"{ex}.{e}.down_proj.weight": (H, inter) for e in range(E)}
-
-        def assemble(t):
-            return torch.stack([_tensor(t[f"{ex}.{e}.down_proj.weight"]) for e in mine])
-    return WeightSpec(p, names, assemble)
+    return WeightSpec(p, {name: (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim)}, assemble,
+                      lambda w: {name: w.unsqueeze(1)})
 
 
 def _fused_expert_aliases(shapes: dict, cfg) -> dict[str, tuple[str, Callable]]:
@@ -167,7 +159,7 @@ def load_checkpoint(model: Qwen3NextForCausalLM, path: str | Path, dtype: torch.
     index = checkpoint_index(path)
     shapes = _shapes(index)
     aliases = _fused_expert_aliases(shapes, model.cfg)
-    specs = _param_specs(model)
+    specs = weight_specs(model)
     expected = {n: s for spec in specs for n, s in spec.sources.items()}
 
     def found_shape(n):
@@ -193,7 +185,7 @@ def load_checkpoint(model: Qwen3NextForCausalLM, path: str | Path, dtype: torch.
     handles: dict[Path, object] = {}
     cache: dict[str, torch.Tensor] = {}
 
-    def read(n):  # nothing is read from the file until a spec narrows or reads it
+    def load(n):  # nothing is read from the file until a spec narrows or reads it
         if n in shapes:
             f = index[n]
             if f not in handles:
@@ -201,12 +193,12 @@ def load_checkpoint(model: Qwen3NextForCausalLM, path: str | Path, dtype: torch.
             return Stored(handles[f].get_slice(n))
         src, fn = aliases[n]
         if src not in cache:
-            cache[src] = _tensor(read(src))
+            cache[src] = read(load(src))
         return fn(cache[src])
 
     with torch.no_grad():
         for spec in specs:
-            value = _tensor(spec.assemble({n: read(n) for n in spec.sources}))
+            value = read(spec.assemble({n: load(n) for n in spec.sources}))
             spec.param.data = value.to(dtype=dtype, device=device).contiguous()
     handles.clear()
     for buf in model.buffers():  # RoPE frequencies stay fp32

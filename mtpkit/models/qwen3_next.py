@@ -15,9 +15,10 @@ from ..engine.cache import CacheTensors
 from ..errors import ConfigError
 from ..parallel import TP
 from ..shapes import Float, Int, Tensor, checked
-from .layers import (MLP, ColumnParallelLinear, GatedRMSNorm, KVParallelLinear, Linear, PartialRoPE,
-                     RMSNorm, RowParallelLinear, SparseMoE, vocab_parallel_embedding,
-                     vocab_parallel_logits)
+from .layers import (MLP, GatedRMSNorm, Linear, MergedColumnParallelLinear, PartialRoPE, RMSNorm,
+                     RowParallelLinear, vocab_parallel_embedding, vocab_parallel_logits)
+from .moe import SparseMoE
+from .weights import shard_range
 
 Metadata = PrefillMetadata | UniformMetadata
 
@@ -51,35 +52,53 @@ def check_tensor_parallel(cfg: Qwen3NextConfig, size: int, with_mtp: bool) -> No
                           + "; choose a tensor_parallel_size that divides all of them")
 
 
+def _rows(*segments: tuple[int, int, int, int]) -> Tensor:
+    """Row indices of strided segments, concatenated: (start, count, length, stride) gives
+    rows start + i*stride + (0..length-1) for i in 0..count-1."""
+    return torch.cat([(start + torch.arange(count)[:, None] * stride + torch.arange(length)).flatten()
+                      for start, count, length, stride in segments])
+
+
 class FullAttention(nn.Module):
     """Gated attention: q_proj gives [q | gate] per head, q/k zero-centred norms, partial RoPE,
-    paged KV, output * sigmoid(gate) before o_proj."""
+    paged KV, output * sigmoid(gate) before o_proj.
+
+    q_proj, k_proj and v_proj are one merged weight whose rows are laid out
+    [q of every head | k | gate of every head | v], so q and k are adjacent: they are
+    rotated together, and every piece is a view of the one matmul's output."""
 
     def __init__(self, cfg: Qwen3NextConfig, kv_index: int, tp: TP, ops: AttnBackend):
         super().__init__()
         self.kv_index, self.ops, self.hd = kv_index, ops, cfg.head_dim
+        hd = self.hd
         # Query heads split evenly (q_proj rows are [q | gate] per head, so whole heads);
         # KV heads split too, or replicated when there are fewer than ranks.
         self.heads = tp.split(cfg.num_attention_heads, what="num_attention_heads")
-        self.q_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_attention_heads * self.hd * 2, tp)
-        self.k_proj = KVParallelLinear(cfg.hidden_size, cfg.num_key_value_heads, self.hd, tp)
-        self.v_proj = KVParallelLinear(cfg.hidden_size, cfg.num_key_value_heads, self.hd, tp)
-        self.kv_heads = self.k_proj.weight.shape[0] // self.hd
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.hd, cfg.hidden_size, tp)
-        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-        self.rope = PartialRoPE(self.hd, cfg.rot_dim, cfg.rope_theta)
-        self.scale = self.hd ** -0.5
+        parts = [("q_proj", cfg.num_attention_heads * hd * 2, 2 * hd, False),
+                 ("k_proj", cfg.num_key_value_heads * hd, hd, True),
+                 ("v_proj", cfg.num_key_value_heads * hd, hd, True)]
+        kv_rows = shard_range(cfg.num_key_value_heads * hd, hd, tp, "k_proj", replicate=True)[1]
+        self.kv_heads = kv_rows // hd
+        Q, KV = self.heads * 2 * hd, kv_rows
+        order = _rows((0, self.heads, hd, 2 * hd), (Q, 1, KV, 0), (hd, self.heads, hd, 2 * hd), (Q + KV, 1, KV, 0))
+        self.qkv_proj = MergedColumnParallelLinear(cfg.hidden_size, parts, tp, order)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, cfg.hidden_size, tp)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.rope = PartialRoPE(hd, cfg.rot_dim, cfg.rope_theta)
+        self.scale = hd ** -0.5
 
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"], meta: Metadata,
                 cache: CacheTensors) -> Float[Tensor, "num_tokens hidden"]:
-        T = x.shape[0]
-        q, gate = self.q_proj(x).view(T, self.heads, 2 * self.hd).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(T, self.kv_heads, self.hd))
-        v = self.v_proj(x).view(T, self.kv_heads, self.hd)
-        q, k = self.rope(positions, q, k)
+        T, hq, hkv, hd = x.shape[0], self.heads, self.kv_heads, self.hd
+        h = self.qkv_proj(x)                                     # [T, (2 hq + 2 hkv) hd]
+        qk_raw = h[:, :(hq + hkv) * hd].view(T, hq + hkv, hd)
+        gate = h[:, (hq + hkv) * hd:(2 * hq + hkv) * hd]
+        v = h[:, (2 * hq + hkv) * hd:].view(T, hkv, hd)
+        qk = torch.cat([self.q_norm(qk_raw[:, :hq]), self.k_norm(qk_raw[:, hq:])], dim=1)
+        qk = self.rope(positions, qk)
+        q, k = qk[:, :hq], qk[:, hq:]
         k_cache, v_cache = cache.kv[self.kv_index]
         self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if isinstance(meta, PrefillMetadata):
@@ -87,16 +106,23 @@ class FullAttention(nn.Module):
                                                  meta.seq_lens, meta.block_table, self.scale)
         else:
             R, B = meta.num_reqs_padded, meta.bundle
-            o = self.ops.paged_attention_verify(q.view(R, B, self.heads, self.hd), k_cache, v_cache,
+            o = self.ops.paged_attention_verify(q.view(R, B, hq, hd), k_cache, v_cache,
                                                 meta.seq_lens, meta.block_table, self.scale,
                                                 max_seq_len=meta.max_seq_len)
-        o = o.reshape(T, self.heads * self.hd) * torch.sigmoid(gate.reshape(T, -1))
+        o = o.reshape(T, hq * hd) * torch.sigmoid(gate)
         return self.o_proj(o)
 
 
 class GatedDeltaNet(nn.Module):
-    """Linear attention: projections interleaved per key-head group, causal conv + SiLU, gated
-    delta rule over fp32 state, gated RMSNorm with z, out_proj."""
+    """Linear attention: projections, causal conv + SiLU, gated delta rule over fp32 state,
+    gated RMSNorm with z, out_proj.
+
+    The checkpoint's in_proj_qkvz and in_proj_ba are interleaved per key-head group
+    ([HK, dk|dk|r*dv|r*dv] and [HK, r|r], as HF's fix_query_key_value_ordering reads them),
+    so contiguous column shards are whole groups. Here they are one merged weight whose rows
+    are re-laid out on load as [q | k | v | z | b | a] (each over all of this rank's heads):
+    the conv input [q|k|v] and every other piece are then views of one matmul's output. The
+    conv weight is [q|k|v]: the loader shards each segment on its own."""
 
     def __init__(self, cfg: Qwen3NextConfig, state_index: int, tp: TP, ops: AttnBackend):
         super().__init__()
@@ -105,16 +131,16 @@ class GatedDeltaNet(nn.Module):
         self.hv = tp.split(cfg.linear_num_value_heads, what="linear_num_value_heads")
         self.dk, self.dv, self.W = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
         self.r = self.hv // self.hk
-        H = cfg.hidden_size
-        # Both projections are laid out per key-head group ([HK, dk|dk|r*dv|r*dv] and
-        # [HK, r|r], as HF's fix_query_key_value_ordering reads them), so contiguous column
-        # shards are whole groups; the group's value heads (and A_log, dt_bias, out_proj
-        # columns) are then also this rank's contiguous block. The conv weight is [q|k|v]: the
-        # loader shards each segment on its own.
-        self.in_proj_qkvz = ColumnParallelLinear(H, 2 * cfg.key_dim + 2 * cfg.value_dim, tp)
-        self.in_proj_ba = ColumnParallelLinear(H, 2 * cfg.linear_num_value_heads, tp)
-        conv_dim = 2 * self.hk * self.dk + self.hv * self.dv
-        self.conv_weight = nn.Parameter(torch.empty(conv_dim, self.W), requires_grad=False)
+        H, hk, dk, rdv, r = cfg.hidden_size, self.hk, self.dk, self.r * self.dv, self.r
+        G = 2 * dk + 2 * rdv                       # rows of one key-head group in in_proj_qkvz
+        parts = [("in_proj_qkvz", 2 * cfg.key_dim + 2 * cfg.value_dim, G, False),
+                 ("in_proj_ba", 2 * cfg.linear_num_value_heads, 2 * r, False)]
+        Q = hk * G
+        order = _rows((0, hk, dk, G), (dk, hk, dk, G), (2 * dk, hk, rdv, G), (2 * dk + rdv, hk, rdv, G),
+                      (Q, hk, r, 2 * r), (Q + r, hk, r, 2 * r))
+        self.in_proj = MergedColumnParallelLinear(H, parts, tp, order)
+        self.conv_dim = 2 * hk * dk + self.hv * self.dv
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.W), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.hv), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
@@ -122,11 +148,10 @@ class GatedDeltaNet(nn.Module):
 
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"], meta: Metadata, cache: CacheTensors) -> Float[Tensor, "num_tokens hidden"]:
-        T, hk, hv, dk, dv, r = x.shape[0], self.hk, self.hv, self.dk, self.dv, self.r
-        q, k, v, z = self.in_proj_qkvz(x).view(T, hk, 2 * dk + 2 * r * dv).split([dk, dk, r * dv, r * dv], -1)
-        b, a = self.in_proj_ba(x).view(T, hk, 2 * r).split([r, r], -1)
-        b, a = b.reshape(T, hv), a.reshape(T, hv)
-        mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+        T, hk, hv, dk, dv, C = x.shape[0], self.hk, self.hv, self.dk, self.dv, self.conv_dim
+        h = self.in_proj(x)                            # [T, q | k | v | z | b | a]
+        mixed, z = h[:, :C], h[:, C:C + hv * dv].view(T, hv, dv)
+        b, a = h[:, C + hv * dv:C + hv * dv + hv], h[:, C + hv * dv + hv:]
         conv_state, ssm_state = cache.conv[self.state_index], cache.ssm[self.state_index]
         if isinstance(meta, PrefillMetadata):
             mixed = self.ops.causal_conv1d_prefill(mixed, self.conv_weight, conv_state, meta.query_start_loc,
@@ -146,7 +171,7 @@ class GatedDeltaNet(nn.Module):
             o = self.ops.gated_delta_rule_verify(
                 q.view(R, B, hk, dk), k.view(R, B, hk, dk), v.view(R, B, hv, dv), a.view(R, B, hv),
                 b.view(R, B, hv), self.A_log, self.dt_bias, ssm_state, meta.state_slots, meta.num_accepted)
-        o = self.norm(o.reshape(T * hv, dv), z.reshape(T * hv, dv)).view(T, hv * dv)
+        o = self.norm(o.view(T, hv, dv), z).reshape(T, hv * dv)
         return self.out_proj(o)
 
 
@@ -210,7 +235,7 @@ class Qwen3NextForCausalLM(nn.Module):
         super().__init__()
         tp = tp or TP.single()
         check_tensor_parallel(cfg, tp.size, with_mtp)
-        self.cfg, self.tp = cfg, tp
+        self.cfg, self.tp, self.ops = cfg, tp, ops
         H, V = cfg.hidden_size, cfg.vocab_size
         # Embedding and lm_head are vocab-parallel: ceil(V / size) rows per rank (zero-padded).
         Vp = -(-V // tp.size)
@@ -225,6 +250,16 @@ class Qwen3NextForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(Vp, H), requires_grad=False)
         self.mtp = MTPModule(cfg, n_full, tp, ops) if with_mtp else None
         self.num_kv_layers = n_full + (cfg.num_nextn_predict_layers if with_mtp else 0)
+
+    def set_weight_layout(self, device: torch.device) -> None:
+        """On CPU, store every matrix that only multiplies (x @ W^T) column-major: BLAS's
+        small-batch products read W^T contiguously ~15-35% faster (measured at decode sizes).
+        Values and shapes are unchanged; the embedding, gathered by rows, stays row-major."""
+        if device.type != "cpu":
+            return
+        for name, p in self.named_parameters():
+            if p.dim() == 2 and name != "embed_tokens" and not name.endswith("conv_weight"):
+                p.data = p.data.t().contiguous().t()
 
     @checked
     def embed(self, token_ids: Int[Tensor, "num_tokens"]) -> Float[Tensor, "num_tokens hidden"]:

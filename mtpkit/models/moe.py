@@ -1,0 +1,198 @@
+"""The sparse MoE block of Qwen3-Next: router, SwiGLU experts and a gated shared expert.
+
+Router softmax over all experts in fp32, top-k, optional renormalisation; output = routed sum
++ sigmoid(shared_expert_gate(x)) * shared_expert(x).
+
+Three weights hold everything:
+- w_in [E + s + 2S, hidden]: the router (E rows), the shared-expert gate (s = 1 row, or none
+  without a shared expert) and the shared expert's gate and up rows (S each): everything
+  every token multiplies, in one matmul;
+- w13 [local experts, 2I, hidden]: each of this rank's experts' gate then up rows, expert by
+  expert (the checkpoints' fused layout), so one expert is one contiguous block;
+- w_out [hidden, S + local experts * I]: the shared expert's down columns, then the experts'.
+Scaling each expert's activation by its routing weight before the (linear) down projection
+is the reference's weighted sum of expert outputs, so every expert and the shared expert can
+share one down matmul.
+
+Three ways to run it, chosen by the step's shape (never by its data, so every one can be
+captured in a graph): a step choosing few experts (top-k of a handful of tokens) gathers just
+their blocks (`_sparse`: a decode step reads k experts, not all of them); a small step computes
+every expert (`_dense`: three matmuls); a large step (prefill, training) loops over the experts
+hit (`_grouped`, which reads the routing on the host).
+
+Tensor parallelism shards the experts: rank r holds whole experts r*E/size ... and computes
+only their share of the routed sum (the router is replicated, so every rank routes alike);
+the shared expert is split like an MLP. One all-reduce sums routed + shared together.
+Whole experts (not slices of each) keep every expert's matmuls full-sized and let each rank
+read only its experts from the checkpoint.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel import TP
+from ..shapes import Float, Int, Tensor, checked
+from .weights import WeightSpec, narrow, read, shard_range
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, topk: int, intermediate: int,
+                 shared_intermediate: int, norm_topk: bool, tp: TP):
+        super().__init__()
+        self.tp, self.topk, self.norm_topk = tp, topk, norm_topk
+        self.hidden, self.num_experts, self.inter = hidden, num_experts, intermediate
+        self.num_local = tp.split(num_experts, what="num_experts")
+        self.first = tp.rank * self.num_local  # global id of this rank's first expert
+        self.shared_inter = shared_intermediate
+        self.shared_range = (shard_range(shared_intermediate, 1, tp, "shared_expert_intermediate_size")
+                             if shared_intermediate else (0, 0))
+        self.s, S = int(shared_intermediate > 0), self.shared_range[1]
+        self.w_in = nn.Parameter(torch.empty(num_experts + self.s + 2 * S, hidden), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * intermediate, hidden), requires_grad=False)
+        self.w_out = nn.Parameter(torch.empty(hidden, S + self.num_local * intermediate), requires_grad=False)
+
+    # ---- checkpoint layout ----------------------------------------------------------------
+    def checkpoint_specs(self, prefix: str) -> list[WeightSpec]:
+        E, I, H, S, s = self.num_experts, self.inter, self.hidden, self.shared_inter, self.s
+        mine = range(self.first, self.first + self.num_local)
+        ex, sh = prefix + ".experts", prefix + ".shared_expert"
+        router, sgate = prefix + ".gate.weight", prefix + ".shared_expert_gate.weight"
+        sg, su, sd = f"{sh}.gate_proj.weight", f"{sh}.up_proj.weight", f"{sh}.down_proj.weight"
+        gates = [f"{ex}.{e}.gate_proj.weight" for e in range(E)]
+        ups = [f"{ex}.{e}.up_proj.weight" for e in range(E)]
+        downs = [f"{ex}.{e}.down_proj.weight" for e in range(E)]
+        s0, sl = self.shared_range
+        src_in = {router: (E, H)} | ({sgate: (1, H), sg: (S, H), su: (S, H)} if s else {})
+
+        def assemble_in(t):
+            shared = [read(t[sgate]), narrow(t[sg], 0, s0, sl), narrow(t[su], 0, s0, sl)] if s else []
+            return torch.cat([read(t[router])] + shared)
+
+        def export_in(w):
+            if not s:
+                return {router: w}
+            return dict(zip([router, sgate, sg, su], w.split([E, 1, sl, sl])))
+
+        def assemble_13(t):
+            return torch.stack([torch.cat([read(t[gates[e]]), read(t[ups[e]])]) for e in mine])
+
+        def export_13(w):
+            out = {}
+            for e, block in zip(mine, w):
+                out[gates[e]], out[ups[e]] = block.split([I, I])
+            return out
+
+        def assemble_out(t):
+            shared = [narrow(t[sd], 1, s0, sl)] if s else []
+            return torch.cat(shared + [read(t[downs[e]]) for e in mine], dim=1)
+
+        def export_out(w):
+            keys = ([sd] if s else []) + [downs[e] for e in mine]
+            return dict(zip(keys, w.split(([sl] if s else []) + [I] * self.num_local, dim=1)))
+
+        return [WeightSpec(self.w_in, src_in, assemble_in, export_in),
+                WeightSpec(self.w13, {n: (I, H) for n in gates + ups}, assemble_13, export_13),
+                WeightSpec(self.w_out, {n: (H, I) for n in downs} | ({sd: (H, S)} if s else {}),
+                           assemble_out, export_out)]
+
+    # ---- forward ----------------------------------------------------------------------------
+    def router_logits(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens experts"]:
+        return F.linear(x, self.w_in[:self.num_experts])
+
+    @checked
+    def route(self, logits: Float[Tensor, "num_tokens experts"]) -> tuple[
+            Float[Tensor, "num_tokens topk"], Int[Tensor, "num_tokens topk"]]:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.topk, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), experts
+
+    # Above this many token-expert pairs a step loops over the experts hit (prefill, and
+    # training, which sets it to 0); below it every path has fixed shapes, and each token's
+    # result is independent of the other tokens in the batch (padded rows cannot change real
+    # rows' rounding). Measured on CPU (hidden 256, 8 experts, top-2): looping pays from ~100
+    # tokens.
+    dense_limit: int = 1024
+    # Gathering the chosen experts' blocks pays when they are a small share of the experts:
+    # at 8 experts and top-2 the dense path was faster even for one token (CPU, measured in
+    # one process against each other); with hundreds of experts a decode step reads a
+    # hundredth of the weights.
+    sparse_share: int = 8
+
+    @checked
+    def forward(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens hidden"]:
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        T = x.shape[0]
+        h = F.linear(x, self.w_in)                                 # [T, E + s + 2S]
+        if not capturing and T * self.num_experts > self.dense_limit:
+            out = self._grouped(x, h)
+        elif T * self.topk * self.sparse_share <= self.num_local:
+            out = self._sparse(x, h)
+        else:
+            out = self._dense(x, h)
+        return self.tp.all_reduce(out)
+
+    def _shared_act(self, h: Float[Tensor, "num_tokens _"]) -> Float[Tensor, "num_tokens _"]:
+        """sigmoid(gate) * silu(g) * u of the shared expert, from w_in's output."""
+        E, S = self.num_experts, self.shared_range[1]
+        return F.silu(h[:, E + 1:E + 1 + S]) * h[:, E + 1 + S:] * torch.sigmoid(h[:, E:E + 1])
+
+    def _local(self, experts: Int[Tensor, "num_tokens topk"], weights: Float[Tensor, "num_tokens topk"]
+               ) -> tuple[Int[Tensor, "_"], Float[Tensor, "num_tokens topk"]]:
+        """This rank's index of each chosen expert; another rank's expert gets a stand-in
+        index and weight 0."""
+        local = experts.flatten() - self.first
+        if self.tp.size > 1:
+            weights = weights * ((local >= 0) & (local < self.num_local)).view(weights.shape)
+            local = local.clamp(0, self.num_local - 1)
+        return local, weights
+
+    def _dense(self, x: Float[Tensor, "num_tokens hidden"], h: Float[Tensor, "num_tokens _"]
+               ) -> Float[Tensor, "num_tokens hidden"]:
+        T, E, nl, I = x.shape[0], self.num_experts, self.num_local, self.inter
+        weights, experts = self.route(h[:, :E])
+        gate = torch.zeros(T, E, dtype=x.dtype, device=x.device).scatter(1, experts, weights)
+        gu = F.linear(x, self.w13.view(nl * 2 * I, -1)).view(T, nl, 2, I)
+        act = F.silu(gu[:, :, 0]) * gu[:, :, 1] * gate[:, self.first:self.first + nl, None]   # [T, nl, I]
+        act = act.reshape(T, nl * I)
+        if self.s:
+            act = torch.cat([self._shared_act(h), act], dim=1)
+        return F.linear(act, self.w_out)
+
+    def _sparse(self, x: Float[Tensor, "num_tokens hidden"], h: Float[Tensor, "num_tokens _"]
+                ) -> Float[Tensor, "num_tokens hidden"]:
+        """Gathers the chosen experts' blocks (token-major, k per token) and runs them as
+        batched matrix-vector products."""
+        T, K, E, H, I, S = x.shape[0], self.topk, self.num_experts, self.hidden, self.inter, self.shared_range[1]
+        weights, experts = self.route(h[:, :E])
+        local, weights = self._local(experts, weights)
+        xs = x.repeat_interleave(K, dim=0)[:, :, None]                              # [T*K, H, 1]
+        g, u = torch.matmul(self.w13.index_select(0, local), xs).chunk(2, dim=1)    # [T*K, I, 1]
+        act = F.silu(g) * u * weights.reshape(T * K, 1, 1)
+        # Expert e's down columns as an [I, H] block (contiguous when w_out is column-major).
+        down = self.w_out[:, S:].T.view(self.num_local, I, H).index_select(0, local)
+        out = torch.matmul(act.transpose(1, 2), down).view(T, K, H).sum(1)         # [T, H]
+        return out + F.linear(self._shared_act(h), self.w_out[:, :S]) if self.s else out
+
+    def _grouped(self, x: Float[Tensor, "num_tokens hidden"], h: Float[Tensor, "num_tokens _"]
+                 ) -> Float[Tensor, "num_tokens hidden"]:
+        E, I, S = self.num_experts, self.inter, self.shared_range[1]
+        weights, experts = self.route(h[:, :E])
+        out = torch.zeros_like(x)
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=E).tolist()
+        token_of = order // self.topk
+        start = 0
+        for e, c in enumerate(counts):
+            idx, tok = order[start:start + c], token_of[start:start + c]
+            start += c
+            local = e - self.first
+            if c == 0 or not 0 <= local < self.num_local:  # not routed here, or another rank's
+                continue
+            g, u = F.linear(x[tok], self.w13[local]).chunk(2, dim=-1)
+            down = self.w_out[:, S + local * I:S + (local + 1) * I]
+            out.index_add_(0, tok, F.linear(F.silu(g) * u * weights.flatten()[idx, None], down))
+        return out + F.linear(self._shared_act(h), self.w_out[:, :S]) if self.s else out
