@@ -7,7 +7,6 @@ the whole checkpoint, so all ranks agree on it). Each tensor-parallel rank then 
 slices its parameters hold: tensors are opened lazily (`Stored`) and read by `.narrow`.
 """
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Callable
