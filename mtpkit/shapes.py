@@ -46,6 +46,7 @@ DIMS: dict[str, str] = {
     "num_logits": "positions whose logits are computed in a step",
     "seq_len": "tokens of one sequence (score, prompts)",
     "ctx_len": "context length attended over (cached prefix + new tokens)",
+    "num_queries": "query tokens of one attention call: every token of the step, or one per request",
     "q_len": "query tokens per row of one attention call (the bundle, or one prefill chunk)",
     # model widths
     "hidden": "model hidden size",

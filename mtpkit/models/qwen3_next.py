@@ -91,16 +91,36 @@ class FullAttention(nn.Module):
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"], meta: Metadata,
                 cache: CacheTensors) -> Float[Tensor, "num_tokens hidden"]:
-        T, hq, hkv, hd = x.shape[0], self.heads, self.kv_heads, self.hd
+        q, gate = self._project(x, positions, meta, cache)
+        return self._attend(q, gate, meta, cache)
+
+    @checked
+    def forward_rows(self, x: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"],
+                     meta: Metadata, cache: CacheTensors, rows: Int[Tensor, "num_reqs_padded"],
+                     row_meta: UniformMetadata) -> Float[Tensor, "num_reqs_padded hidden"]:
+        """Every token's K/V written, the output computed only for the tokens `rows` (one query
+        each, described by `row_meta`): what the MTP layer needs from its first pass."""
+        q, gate = self._project(x, positions, meta, cache)
+        return self._attend(q[rows], gate[rows], row_meta, cache)
+
+    def _project(self, x: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"], meta: Metadata,
+                 cache: CacheTensors) -> tuple[Float[Tensor, "num_tokens heads head_dim"], Float[Tensor, "num_tokens _"]]:
+        """q (normed, rotated) and the output gate of every token; K/V written to the cache."""
+        hq, hkv, hd = self.heads, self.kv_heads, self.hd
         h = self.qkv_proj(x)                                     # [T, (2 hq + 2 hkv) hd]
-        qk_raw = h[:, :(hq + hkv) * hd].view(T, hq + hkv, hd)
+        qk_raw = h[:, :(hq + hkv) * hd].view(-1, hq + hkv, hd)
         gate = h[:, (hq + hkv) * hd:(2 * hq + hkv) * hd]
-        v = h[:, (2 * hq + hkv) * hd:].view(T, hkv, hd)
+        v = h[:, (2 * hq + hkv) * hd:].view(-1, hkv, hd)
         qk = torch.cat([self.q_norm(qk_raw[:, :hq]), self.k_norm(qk_raw[:, hq:])], dim=1)
         qk = self.rope(positions, qk)
-        q, k = qk[:, :hq], qk[:, hq:]
         k_cache, v_cache = cache.kv[self.kv_index]
-        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.ops.write_kv(qk[:, hq:], v, k_cache, v_cache, meta.slot_mapping)
+        return qk[:, :hq], gate
+
+    def _attend(self, q: Float[Tensor, "num_queries heads head_dim"], gate: Float[Tensor, "num_queries _"], meta: Metadata,
+                cache: CacheTensors) -> Float[Tensor, "num_queries hidden"]:
+        hq, hd = self.heads, self.hd
+        k_cache, v_cache = cache.kv[self.kv_index]
         if isinstance(meta, PrefillMetadata):
             o = self.ops.paged_attention_prefill(q, k_cache, v_cache, meta.query_start_loc,
                                                  meta.seq_lens, meta.block_table, self.scale)
@@ -109,7 +129,7 @@ class FullAttention(nn.Module):
             o = self.ops.paged_attention_verify(q.view(R, B, hq, hd), k_cache, v_cache,
                                                 meta.seq_lens, meta.block_table, self.scale,
                                                 max_seq_len=meta.max_seq_len)
-        o = o.reshape(T, hq * hd) * torch.sigmoid(gate)
+        o = o.reshape(-1, hq * hd) * torch.sigmoid(gate)
         return self.o_proj(o)
 
 
@@ -204,6 +224,15 @@ class DecoderLayer(nn.Module):
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    @checked
+    def forward_rows(self, x: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"],
+                     meta: Metadata, cache: CacheTensors, rows: Int[Tensor, "num_reqs_padded"],
+                     row_meta: UniformMetadata) -> Float[Tensor, "num_reqs_padded hidden"]:
+        """A full-attention layer's output at the tokens `rows` only (every token's K/V written)."""
+        h = self.self_attn.forward_rows(self.input_layernorm(x), positions, meta, cache, rows, row_meta)
+        x = x[rows] + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class MTPModule(nn.Module):
     """The `mtp.*` module: x = fc([norm_e(embed(token_{p+1})), norm_h(h_p)]) -> one full-attention
@@ -222,11 +251,18 @@ class MTPModule(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
 
     @checked
-    def forward(self, embeds: Float[Tensor, "num_tokens hidden"], hidden: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"], meta: Metadata,
-                cache: CacheTensors, step: int) -> Tensor:
+    def forward(self, embeds: Float[Tensor, "num_tokens hidden"], hidden: Float[Tensor, "num_tokens hidden"],
+                positions: Int[Tensor, "num_tokens"], meta: Metadata, cache: CacheTensors, step: int,
+                rows: Int[Tensor, "num_reqs_padded"] | None = None, row_meta: UniformMetadata | None = None
+                ) -> Tensor:
+        """[num_tokens, hidden], or [num_reqs_padded, hidden] at the tokens `rows` when given."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1))
         # num_spec may exceed the layer count: the layers are reused in turn.
-        x = self.layers[step % len(self.layers)](x, positions, meta, cache)
+        layer = self.layers[step % len(self.layers)]
+        if rows is None:
+            x = layer(x, positions, meta, cache)
+        else:
+            x = layer.forward_rows(x, positions, meta, cache, rows, row_meta)
         return self.norm(x)
 
 
@@ -254,12 +290,16 @@ class Qwen3NextForCausalLM(nn.Module):
     def set_weight_layout(self, device: torch.device) -> None:
         """On CPU, store every matrix that only multiplies (x @ W^T) column-major: BLAS's
         small-batch products read W^T contiguously ~15-35% faster (measured at decode sizes).
-        Values and shapes are unchanged; the embedding, gathered by rows, stays row-major."""
+        Values and shapes are unchanged; the embedding, gathered by rows, stays row-major, and
+        the experts' [local, 2I, hidden] blocks are laid out as their [local * 2I, hidden]
+        matrix (what the dense MoE path multiplies)."""
         if device.type != "cpu":
             return
         for name, p in self.named_parameters():
-            if p.dim() == 2 and name != "embed_tokens" and not name.endswith("conv_weight"):
-                p.data = p.data.t().contiguous().t()
+            if name == "embed_tokens" or name.endswith("conv_weight") or p.dim() < 2:
+                continue
+            flat = p.data.reshape(-1, p.shape[-1])
+            p.data = flat.t().contiguous().t().view(p.shape)
 
     @checked
     def embed(self, token_ids: Int[Tensor, "num_tokens"]) -> Float[Tensor, "num_tokens hidden"]:
@@ -281,6 +321,16 @@ class Qwen3NextForCausalLM(nn.Module):
         """MTP pass: token_ids[i] is the token AFTER position positions[i]; hidden[i] the
         target's (or previous pass's) final hidden state at positions[i]."""
         return self.mtp(self.embed(token_ids), hidden, positions, meta, cache, step)
+
+    @checked
+    def mtp_forward_rows(self, token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
+                         hidden: Float[Tensor, "num_tokens hidden"], meta: Metadata, cache: CacheTensors,
+                         rows: Int[Tensor, "num_reqs_padded"], row_meta: UniformMetadata
+                         ) -> Float[Tensor, "num_reqs_padded hidden"]:
+        """The first MTP pass of a step: K/V of every position into the MTP layer's cache, the
+        output only at `rows` (each request's last accepted position; `row_meta` their
+        one-query metadata). Equal to mtp_forward(...)[rows], without computing the rest."""
+        return self.mtp(self.embed(token_ids), hidden, positions, meta, cache, 0, rows, row_meta)
 
     @checked
     def compute_logits(self, hidden: Float[Tensor, "num_logits hidden"]) -> Float[Tensor, "num_logits vocab"]:

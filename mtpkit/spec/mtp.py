@@ -2,8 +2,8 @@
 
 Pass 1 runs the MTP layer over every position of the step that just ran (a prefill chunk or a
 verify bundle), with the token AFTER each position and the target's final hidden state there,
-so the MTP layer's own KV has an entry for every position of the sequence. Draft 1 is read at
-each request's last accepted position. Passes 2..num_spec feed one token per request: the
+so the MTP layer's own KV has an entry for every position of the sequence; its attention, MoE
+and head run only at each request's last accepted position, where draft 1 is read. Passes 2..num_spec feed one token per request: the
 previous draft and the MTP's own output hidden state, one position further each time.
 
 Everything after pass 1 is computed on the device from tensors (no host round trip), so the
@@ -58,10 +58,13 @@ class MTPProposer:
         """Drafts for the rows whose last accepted token sits at hidden[last_idx[i]];
         `block_table[i]` is that row's block table (for the later passes)."""
         model, k = self.model, self.num_spec
-        h = model.mtp_forward(next_tokens, positions, hidden, meta, cache, step=0)[last_idx]
+        pos = positions[last_idx]
+        # Pass 1 writes the MTP layer's K/V at every position; only the last accepted one's
+        # output is needed (one query per row, like the draft passes).
+        first = draft_pass_metadata(block_table, pos, self.block_size, meta.max_seq_len)
+        h = model.mtp_forward_rows(next_tokens, positions, hidden, meta, cache, last_idx, first)
         draft = model.compute_logits(h).argmax(-1)
         drafts = [draft]
-        pos = positions[last_idx]
         for j in range(1, k):
             meta_j = draft_pass_metadata(block_table, pos + j, self.block_size, meta.max_seq_len + k)
             h = model.mtp_forward(draft, pos + j, h, meta_j, cache, step=j)
