@@ -74,6 +74,8 @@ def main():
     hf = Qwen3NextForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engines = {k: LLM(path, num_spec=k, dtype="float32", max_num_seqs=max(args.batches))
                for k in range(args.max_spec + 1)}
+    for llm in engines.values():  # long-lived engines: CPU graphs traced on first use (graphs.runner)
+        llm.runner.graphs.trace_after = 0
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     print(f"model={path.name} max_tokens={args.max_tokens} prompt_len={args.prompt_len} "
           f"threads={torch.get_num_threads()} (best of {args.repeats})")

@@ -1,5 +1,9 @@
 """The graph path (static buffers keyed by num_reqs_padded; CPU replay) and the regression
-cases other engines hit (shared/reference/spec_decode.md, items 1-8)."""
+cases other engines hit (shared/reference/spec_decode.md, items 1-8).
+
+On CPU a replay is a TorchScript trace of the captured bodies once a shape has been called
+`trace_after` times; these tests trace from the first replay (trace_after=0) unless they say
+otherwise, so the traced path is what they check."""
 
 import functools
 
@@ -24,8 +28,14 @@ def _ck(root, mode="bigram", eps=0.1, cfg="base", seed=0):
     return spec_models.build_spec_checkpoint(f"{root}/{cfg}_{mode}_{eps}_{seed}", cfg, seed, mode, eps)
 
 
-def _run(path, prompts, max_tokens=14, **kw):
-    llm = LLM(path, max_model_len=128, **F64, **kw)
+def _traced_from_start(llm: LLM, trace_after: int = 0) -> LLM:
+    if llm.runner.graphs is not None:
+        llm.runner.graphs.trace_after = trace_after
+    return llm
+
+
+def _run(path, prompts, max_tokens=14, trace_after=0, **kw):
+    llm = _traced_from_start(LLM(path, max_model_len=128, **F64, **kw), trace_after)
     steps = []
     orig = llm.runner.execute
     llm.runner.execute = lambda plan: (steps.append((plan.kind.value, plan.num_reqs, plan.num_reqs_padded)),
@@ -36,13 +46,20 @@ def _run(path, prompts, max_tokens=14, **kw):
 
 @pytest.mark.parametrize("k", [0, 1, 2, 3])
 @pytest.mark.parametrize("n,padded", [(3, 4), (5, 8)])
-def test_graph_path_equals_eager(ckdir, k, n, padded):
+@pytest.mark.parametrize("trace_after", [0, 3, None])
+def test_graph_path_equals_eager(ckdir, k, n, padded, trace_after):
+    """Traced from the first replay (0), after three direct calls of each shape (3: traces
+    made mid-generation, over buffers that held real rows), or never (None: direct calls)."""
     path = _ck(str(ckdir))
     prompts = oracle.random_prompts(n, 256, seed=n, lengths=[1, 9, 17, 30, 44][:n])
     eager, _, _ = _run(path, prompts, num_spec=k, enforce_eager=True, max_num_seqs=8)
-    graph, llm, steps = _run(path, prompts, num_spec=k, max_num_seqs=8)
+    graph, llm, steps = _run(path, prompts, num_spec=k, max_num_seqs=8,
+                             trace_after=10**9 if trace_after is None else trace_after)
     assert graph == eager
     assert llm.runner.graphs is not None and llm.capture_plan.sizes == (1, 2, 4, 8)
+    traced = [key for key in llm.runner.graphs.verify_graphs]
+    assert bool(traced) == (trace_after is not None), traced
+    assert all(isinstance(key, tuple) and key[1] >= 64 for key in traced)
     verify = [s for s in steps if s[0] == "verify"]
     assert (n, padded) in [(r, p) for _, r, p in verify], "the step count needing padding must occur"
     assert all(p == llm.capture_plan.dispatch(r) for _, r, p in verify)
@@ -56,7 +73,7 @@ def _fill_null(llm, value):
 
 
 def _padded_run(path, k, prompts, null_value, **kw):
-    llm = LLM(path, num_spec=k, max_model_len=64, **F64, **kw)
+    llm = _traced_from_start(LLM(path, num_spec=k, max_model_len=64, **F64, **kw))
     _fill_null(llm, null_value)
     reqs = [llm.add_request(p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in prompts]
     llm.step()  # prefill all three

@@ -12,7 +12,8 @@ How a graph is captured and replayed depends on the device:
   runs the TorchScript graph: no Python per op, which at decode sizes is most of a step's
   cost. Attention reads K/V up to a fixed context length, so a CPU graph is keyed by
   (n, context bucket): the next power of two >= the longest sequence, traced when first
-  needed. Traced with inert rows in the buffers, so tracing writes only null storage.
+  needed (after a few direct calls, see CPU_TRACE_AFTER). Traced with inert rows in the
+  buffers, so tracing writes only null storage.
 - CPU, with tensor parallelism (the collectives are not traceable), a non-torch attention
   backend (Triton under its interpreter) or in debug mode (every step's shapes checked): the
   bodies are called directly on the buffers ("replay" = call).
@@ -34,6 +35,11 @@ from ..spec.mtp import MTPProposer
 from .plan import CapturePlan
 
 MIN_CPU_CONTEXT = 64  # smallest context bucket of a CPU graph
+# A CPU graph is traced on its (n, context)'s next replay after this many direct calls. Tracing
+# and TorchScript's first, optimising runs cost ~0.2-0.4 s per shape on the embedded model
+# (verify + propose), which a traced step repays at ~1.5 ms: a short generation stays on
+# direct calls, a shape used this often is likely to go on being used. 0 traces at once.
+CPU_TRACE_AFTER = 32
 
 
 @dataclasses.dataclass
@@ -90,11 +96,13 @@ class GraphRunner:
         # CPU graphs are traced unless the trace would leave something out: the model's
         # collectives, or kernels the tracer cannot see into (Triton, run by its interpreter).
         self.trace = not self.cuda and model.tp.size == 1 and model.ops.name == "torch"
+        self.trace_after = CPU_TRACE_AFTER
         self.verify_graphs: dict = {}     # CUDA: n -> graph; CPU: (n, context) -> traced function
         self.propose_graphs: dict = {}
         self.outputs: dict[int, dict[str, Tensor]] = {}
         self.pool = None
         self._key = None                  # the graph the last `verify` replayed
+        self._uses: dict = {}             # CPU: replays of each (n, context) so far
 
     # ---- the captured bodies --------------------------------------------------------------
     def _meta(self, slot_mapping, seq_lens, block_table, state_slots, num_accepted, max_seq_len) -> UniformMetadata:
@@ -206,6 +214,9 @@ class GraphRunner:
         traced = self.trace and not is_debug()
         if traced:
             context = self.context_bucket(max_seq_len)
+            uses = self._uses[n, context] = self._uses.get((n, context), 0) + 1
+            traced = uses > self.trace_after
+        if traced:
             verify, _ = self._cpu_graph(n, context)
         tok, pos, meta = build_uniform(rows, n, self.cfg.block_size, self.cfg.max_blocks, self.device)
         buf = self.buf
