@@ -13,6 +13,7 @@ import torch
 import oracle
 import spec_models
 from mtpkit import LLM, ConfigError, SamplingParams
+from mtpkit.shapes import is_debug
 from mtpkit.graphs import build_capture_plan
 
 F64 = dict(dtype="float64", device="cpu")
@@ -58,7 +59,8 @@ def test_graph_path_equals_eager(ckdir, k, n, padded, trace_after):
     assert graph == eager
     assert llm.runner.graphs is not None and llm.capture_plan.sizes == (1, 2, 4, 8)
     traced = [key for key in llm.runner.graphs.verify_graphs]
-    assert bool(traced) == (trace_after is not None), traced
+    # debug mode calls the bodies on every step (each step's shapes checked): nothing traced
+    assert bool(traced) == (trace_after is not None and not is_debug()), traced
     assert all(isinstance(key, tuple) and key[1] >= 64 for key in traced)
     verify = [s for s in steps if s[0] == "verify"]
     assert (n, padded) in [(r, p) for _, r, p in verify], "the step count needing padding must occur"
