@@ -139,7 +139,7 @@ class GraphRunner:
     def _verify_args(self, n: int) -> tuple[Tensor, ...]:
         return self.buf.inputs(n, self.bundle) + self._cache_args()
 
-    def _propose_args(self, n: int, hidden: Tensor) -> tuple[Tensor, ...]:
+    def _propose_args(self, n: int, hidden: Float[Tensor, "num_tokens hidden"]) -> tuple[Tensor, ...]:
         B, buf = self.bundle, self.buf
         return (hidden, buf.next_tokens[:n * B], buf.last_idx[:n]) + self._verify_args(n)
 
