@@ -247,17 +247,16 @@ def gated_delta_rule_verify(
     k_row, k_col = k.view(R, B, HK, 1, 1, DK).unbind(1), k.view(R, B, HK, 1, DK, 1).unbind(1)
     q_row = q.view(R, B, HK, 1, 1, DK).unbind(1)
     read = state_slots.gather(1, num_accepted[:, None] - 1)[:, 0]
-    # Advanced indexing copies, so all reads happen before the writes below: with
-    # num_accepted == bundle the read slot is also the slot written at the last position.
-    state = _as(ssm_state[read], cd).view(R, HK, r, DK, DV)
-    outs, states = [], []
+    # Advanced indexing copies, so the read happens before the writes below (with
+    # num_accepted == bundle the read slot is also the slot written at the last position),
+    # and the copy can be updated in place: each token's state goes to its slot at once.
+    state = ssm_state[read].to(cd).view(R, HK, r, DK, DV)
+    slots, outs = state_slots.unbind(1), []
     for t in range(B):
         # S = exp(g) S;  S += k (beta (v - k^T S));  o = q^T S
-        state = state * decay[t]
-        delta = beta[t] * (vs[t] - k_row[t] @ state)                          # [R, HK, r, 1, DV]
-        state = torch.addcmul(state, k_col[t], delta)
+        state.mul_(decay[t])
+        state.addcmul_(k_col[t], beta[t] * (vs[t] - k_row[t] @ state))   # k_t^T S: [R, HK, r, 1, DV]
         outs.append(q_row[t] @ state)
-        states.append(state)
-    ssm_state[state_slots.reshape(-1)] = _as(torch.stack(states, 1).view(R * B, HV, DK, DV), ssm_state.dtype)
+        ssm_state.index_copy_(0, slots[t], _as(state.view(R, HV, DK, DV), ssm_state.dtype))
     out = torch.stack(outs, 1)
     return _as(out.view(R, B, HV, DV), v.dtype)
