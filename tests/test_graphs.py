@@ -67,6 +67,21 @@ def test_graph_path_equals_eager(ckdir, k, n, padded, trace_after):
     assert all(p == llm.capture_plan.dispatch(r) for _, r, p in verify)
 
 
+def test_failed_trace_falls_back_to_direct_calls(ckdir, monkeypatch):
+    """A CPU graph that cannot be traced warns and the engine goes on calling the bodies."""
+    path = _ck(str(ckdir))
+    prompts = oracle.random_prompts(3, 256, seed=3, lengths=[1, 9, 17])
+    eager, _, _ = _run(path, prompts, num_spec=2, enforce_eager=True, max_num_seqs=8)
+
+    def broken(*a, **k):
+        raise RuntimeError("no tracer here")
+
+    monkeypatch.setattr(torch.jit, "trace", broken)
+    with pytest.warns(RuntimeWarning, match="tracing the CPU decode graph failed.*no tracer here"):
+        graph, llm, _ = _run(path, prompts, num_spec=2, max_num_seqs=8)
+    assert graph == eager and not llm.runner.graphs.trace and not llm.runner.graphs.verify_graphs
+
+
 def _fill_null(llm, value):
     for k, v in llm.cache.kv:
         k[0].fill_(value), v[0].fill_(value)

@@ -217,7 +217,12 @@ class GraphRunner:
             uses = self._uses[n, context] = self._uses.get((n, context), 0) + 1
             traced = uses > self.trace_after
         if traced:
-            verify, _ = self._cpu_graph(n, context)
+            try:
+                verify, _ = self._cpu_graph(n, context)
+            except Exception as e:  # noqa: BLE001 - the direct call below needs no tracer
+                warnings.warn(f"mtpkit: tracing the CPU decode graph failed ({type(e).__name__}: {e}); "
+                              "decode steps call the model directly from now on", RuntimeWarning, stacklevel=2)
+                self.trace = traced = False
         tok, pos, meta = build_uniform(rows, n, self.cfg.block_size, self.cfg.max_blocks, self.device)
         buf = self.buf
         buf.token_ids[:n * B].copy_(tok)
