@@ -4,7 +4,9 @@ without MTP vs mtpkit with num_spec 1..4, at batch 1 and 8.
 Prints tokens/s and the ratios to transformers and to mtpkit without MTP, and checks that every
 greedy output is identical (prompts in a batch have the same length, so transformers needs no
 padding). Each configuration is timed `--repeats` times after a warm-up; the best run counts
-(the machine is shared and noisy: the best run is the least disturbed one).
+(the machine is shared and noisy: the best run is the least disturbed one). The mtpkit engines
+are long-lived: their CPU decode graphs are traced on first use (`trace_after = 0`), so the
+warm-up pays for tracing and the timed runs measure the steady state.
 
     python benchmarks/bench_cpu.py                      # the embedded model
     python benchmarks/bench_cpu.py --max-tokens 64 --batches 1 8 --threads 2
