@@ -71,15 +71,21 @@ def test_moe_paths_equal_the_per_expert_reference(shared, layout):
         ref = _reference_moe(x, moe, sd)
         for path in (moe._dense, moe._sparse, moe._grouped):
             torch.testing.assert_close(path(x, h), ref, rtol=1e-12, atol=1e-12, msg=path.__name__)
-    # forward picks the gather path for a decode-sized step here (2 of 16 experts)
-    assert 1 * moe.topk * moe.sparse_share <= moe.num_experts
+    # forward picks the gather path for a decode-sized step here (2 of 16 experts), the dense
+    # one for a larger step: each other path is made to fail, and forward still matches.
+    for T, other in ((1, "_dense"), (3, "_sparse")):
+        x = torch.randn(T, 32, dtype=torch.float64)
+        setattr(moe, other, lambda *a: pytest.fail(f"{other} ran for {T} tokens"))
+        torch.testing.assert_close(moe(x), _reference_moe(x, moe, sd), rtol=1e-12, atol=1e-12)
+        delattr(moe, other)
 
 
 def test_rope_over_the_whole_head_is_rotate_half_on_the_rotated_dims():
     rope = PartialRoPE(head_dim=64, rot_dim=16, theta=10000.0)
     pos = torch.tensor([0, 1, 7, 100, 2047])
     x = torch.randn(5, 6, 64)
-    freqs = pos[:, None].float() * rope.inv_freq
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2).float() / 16))   # as transformers computes it
+    freqs = pos[:, None].float() * inv_freq
     emb = torch.cat([freqs, freqs], -1)
     cos, sin = emb.cos()[:, None], emb.sin()[:, None]
     rot, rest = x[..., :16], x[..., 16:]

@@ -201,6 +201,7 @@ def _prefill_padded(q, k, v, g, beta, init, bounds, T, chunk_size):
 
 
 def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x in `dtype`, without a dispatch when it already is (any shape: a dtype helper)."""
     return x if x.dtype == dtype else x.to(dtype)
 
 

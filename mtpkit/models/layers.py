@@ -96,6 +96,8 @@ class MergedColumnParallelLinear(Linear):
 
     def __init__(self, in_features: int, parts: list[tuple[str, int, int, bool]], tp: TP | None = None,
                  order: Tensor | None = None):
+        # `order` is a permutation of this weight's rows, used only when loading and exporting
+        # (a 1-D index over rows, for which shapes.py has no dimension name).
         nn.Module.__init__(self)
         self.tp, self.parts, self.order = tp or TP.single(), parts, order
         self.ranges = [shard_range(n, block, self.tp, name, rep) for name, n, block, rep in parts]
@@ -143,7 +145,8 @@ def vocab_parallel_logits(hidden: Float[Tensor, "num_logits hidden"], weight: Fl
 
 
 def _float(x: Tensor) -> Tensor:
-    """fp32 for the norms' arithmetic (fp64 stays fp64); no op when already so."""
+    """fp32 for the norms' arithmetic (fp64 stays fp64); no op when already so. Any shape:
+    a dtype helper of the shape-polymorphic norms."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
@@ -196,7 +199,6 @@ class PartialRoPE(nn.Module):
         super().__init__()
         self.rot_dim = rot_dim
         inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
         full = torch.zeros(head_dim)
         full[:rot_dim] = torch.cat([inv_freq, inv_freq])
         self.register_buffer("inv_freq_full", full, persistent=False)
@@ -226,6 +228,7 @@ class MLP(nn.Module):
             hidden, [("gate_proj", intermediate, 1, False), ("up_proj", intermediate, 1, False)], tp)
         self.down_proj = RowParallelLinear(intermediate, hidden, tp)
 
-    def forward(self, x: Tensor) -> Tensor:
+    @checked
+    def forward(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens hidden"]:
         g, u = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(g) * u)

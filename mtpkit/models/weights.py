@@ -48,7 +48,8 @@ def narrow(x, dim: int, start: int, length: int) -> torch.Tensor:
 
 
 def inverse(order: torch.Tensor) -> torch.Tensor:
-    """The permutation that undoes `order` (x[order][inverse(order)] == x)."""
+    """The permutation that undoes `order` (x[order][inverse(order)] == x). Load/export
+    time only: a row index of a merged weight, which has no shapes.py dimension name."""
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel())
     return inv
