@@ -33,6 +33,7 @@ from ..models.qwen3_next import Qwen3NextForCausalLM
 from ..shapes import Float, Int, Tensor, checked, is_debug
 from ..spec.mtp import MTPProposer
 from .plan import CapturePlan
+from .specialize import specialized
 
 MIN_CPU_CONTEXT = 64  # smallest context bucket of a CPU graph
 # A CPU graph is traced on its (n, context)'s next replay after this many direct calls. Tracing
@@ -201,6 +202,10 @@ class GraphRunner:
                     hidden, _ = verify(*args)
                     propose = torch.jit.trace(self._propose_fn(context),
                                               self._propose_args(n, hidden), check_trace=False)
+            # A graph replays only at the shape it was traced for: fold its shape bookkeeping.
+            verify = specialized(verify, f"verify_{n}_{context}")
+            if propose is not None:
+                propose = specialized(propose, f"propose_{n}_{context}")
             self.verify_graphs[key], self.propose_graphs[key] = verify, propose
         return self.verify_graphs[key], self.propose_graphs[key]
 
