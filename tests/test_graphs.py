@@ -62,6 +62,10 @@ def test_graph_path_equals_eager(ckdir, k, n, padded, trace_after):
     # debug mode calls the bodies on every step (each step's shapes checked): nothing traced
     assert bool(traced) == (trace_after is not None and not is_debug()), traced
     assert all(isinstance(key, tuple) and key[1] >= 64 for key in traced)
+    # The draft passes after a prefill (num_spec >= 2) run traced too, padded like a decode step.
+    drafts = list(llm.runner.graphs.draft_graphs)
+    assert bool(drafts) == (trace_after == 0 and k >= 2 and not is_debug()), drafts
+    assert all(key[0] in llm.capture_plan.sizes for key in drafts)
     verify = [s for s in steps if s[0] == "verify"]
     assert (n, padded) in [(r, p) for _, r, p in verify], "the step count needing padding must occur"
     assert all(p == llm.capture_plan.dispatch(r) for _, r, p in verify)
@@ -77,9 +81,10 @@ def test_failed_trace_falls_back_to_direct_calls(ckdir, monkeypatch):
         raise RuntimeError("no tracer here")
 
     monkeypatch.setattr(torch.jit, "trace", broken)
-    with pytest.warns(RuntimeWarning, match="tracing the CPU decode graph failed.*no tracer here"):
+    with pytest.warns(RuntimeWarning, match="tracing a CPU decode graph failed.*no tracer here"):
         graph, llm, _ = _run(path, prompts, num_spec=2, max_num_seqs=8)
-    assert graph == eager and not llm.runner.graphs.trace and not llm.runner.graphs.verify_graphs
+    g = llm.runner.graphs
+    assert graph == eager and not g.trace and not g.verify_graphs and not g.draft_graphs
 
 
 def _fill_null(llm, value):

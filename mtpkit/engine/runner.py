@@ -82,14 +82,21 @@ class ModelRunner:
             next_tokens = torch.tensor(nxt, dtype=torch.int64, device=self.device)
             if done:
                 last = meta.logits_indices[done]
-                drafts = self.proposer.propose(hidden, next_tokens, positions, meta, self.cache, last,
-                                               meta.block_table[done])
+                drafts = self._prefill_drafts(hidden, next_tokens, positions, meta, last, meta.block_table[done])
                 drafts = self.tp.broadcast(drafts.contiguous())
                 for i, d in zip(done, drafts.tolist()):
                     results[i].drafts = d
             else:  # fill the MTP layer's KV for these positions; no drafts yet
                 self.model.mtp_forward(next_tokens, positions, hidden, meta, self.cache, step=0)
         return results
+
+    def _prefill_drafts(self, hidden, next_tokens, positions, meta, last, block_table):
+        """MTP pass 1 over the prefilled positions (eager: its shape is the prompt's), then the
+        draft passes, one token per row: through the graph runner when there is one."""
+        if self.graphs is None:
+            return self.proposer.propose(hidden, next_tokens, positions, meta, self.cache, last, block_table)
+        h, draft, pos = self.proposer.first_pass(hidden, next_tokens, positions, meta, self.cache, last, block_table)
+        return self.graphs.draft_passes(h, draft, pos, block_table, meta.max_seq_len)
 
     # ---- verify -----------------------------------------------------------------------
     def _verify(self, plan: StepPlan) -> list[ReqResult]:

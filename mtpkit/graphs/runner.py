@@ -104,6 +104,8 @@ class GraphRunner:
         self.pool = None
         self._key = None                  # the graph the last `verify` replayed
         self._uses: dict = {}             # CPU: replays of each (n, context) so far
+        self.draft_graphs: dict = {}      # CPU: (n, context) -> traced draft passes after a prefill
+        self._draft_uses: dict = {}
 
     # ---- the captured bodies --------------------------------------------------------------
     def _meta(self, slot_mapping, seq_lens, block_table, state_slots, num_accepted, max_seq_len) -> UniformMetadata:
@@ -136,6 +138,11 @@ class GraphRunner:
             return self.proposer.propose(hidden, next_tokens, positions, meta, self._cache_from(cache), last_idx,
                                          block_table)
         return propose
+
+    def _drafts_fn(self, max_seq_len: int):
+        def drafts(h, draft, pos, block_table, *cache):
+            return self.proposer.draft_passes(h, draft, pos, block_table, max_seq_len, self._cache_from(cache))
+        return drafts
 
     def _verify_args(self, n: int) -> tuple[Tensor, ...]:
         return self.buf.inputs(n, self.bundle) + self._cache_args()
@@ -187,27 +194,33 @@ class GraphRunner:
         new: on inert rows (the buffers' real rows are filled after this)."""
         key = (n, context)
         if key not in self.verify_graphs:
-            B = self.bundle
-            self.buf.make_inert(n, B)
+            self.buf.make_inert(n, self.bundle)
             args = self._verify_args(n)
-            with warnings.catch_warnings():
-                # Shape checks become constants, as they must: a graph is one shape. (A
-                # data-dependent host read would break CUDA capture the same way; tests run
-                # every graph path against enforce_eager.)
-                warnings.simplefilter("ignore", torch.jit.TracerWarning)
-                warnings.simplefilter("ignore", DeprecationWarning)
-                verify = torch.jit.trace(self._verify_fn(context), args, check_trace=False)
-                propose = None
-                if self.proposer is not None:
-                    hidden, _ = verify(*args)
-                    propose = torch.jit.trace(self._propose_fn(context),
-                                              self._propose_args(n, hidden), check_trace=False)
-            # A graph replays only at the shape it was traced for: fold its shape bookkeeping.
-            verify = specialized(verify, f"verify_{n}_{context}")
-            if propose is not None:
-                propose = specialized(propose, f"propose_{n}_{context}")
+            verify = self._trace(self._verify_fn(context), args, f"verify_{n}_{context}")
+            propose = None
+            if self.proposer is not None:
+                hidden, _ = verify(*args)
+                propose = self._trace(self._propose_fn(context), self._propose_args(n, hidden),
+                                      f"propose_{n}_{context}")
             self.verify_graphs[key], self.propose_graphs[key] = verify, propose
         return self.verify_graphs[key], self.propose_graphs[key]
+
+    def _trace(self, fn, args, name: str):
+        """fn traced on args, then specialised to their shapes."""
+        with warnings.catch_warnings():
+            # Shape checks become constants, as they must: a graph is one shape. (A
+            # data-dependent host read would break CUDA capture the same way; tests run
+            # every graph path against enforce_eager.)
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            traced = torch.jit.trace(fn, args, check_trace=False)
+        # A graph replays only at the shape it was traced for: fold its shape bookkeeping.
+        return specialized(traced, name)
+
+    def _trace_failed(self, e: Exception) -> None:
+        warnings.warn(f"mtpkit: tracing a CPU decode graph failed ({type(e).__name__}: {e}); "
+                      "decode steps call the model directly from now on", RuntimeWarning, stacklevel=3)
+        self.trace = False
 
     # ---- replay -------------------------------------------------------------------------
     @checked
@@ -225,9 +238,8 @@ class GraphRunner:
             try:
                 verify, _ = self._cpu_graph(n, context)
             except Exception as e:  # noqa: BLE001 - the direct call below needs no tracer
-                warnings.warn(f"mtpkit: tracing the CPU decode graph failed ({type(e).__name__}: {e}); "
-                              "decode steps call the model directly from now on", RuntimeWarning, stacklevel=2)
-                self.trace = traced = False
+                self._trace_failed(e)
+                traced = False
         tok, pos, meta = build_uniform(rows, n, self.cfg.block_size, self.cfg.max_blocks, self.device)
         buf = self.buf
         buf.token_ids[:n * B].copy_(tok)
@@ -265,6 +277,36 @@ class GraphRunner:
         if self._key[1] is not None:  # traced
             return self.propose_graphs[self._key](*args)
         return self._propose_fn(self._key[2])(*args)
+
+    @checked
+    def draft_passes(self, h: Float[Tensor, "num_reqs hidden"], draft: Int[Tensor, "num_reqs"],
+                     pos: Int[Tensor, "num_reqs"], block_table: Int[Tensor, "num_reqs max_blocks"],
+                     max_seq_len: int) -> Int[Tensor, "num_reqs num_spec"]:
+        """The draft passes after a prefill's pass 1 (MTPProposer.draft_passes) for the
+        prefills that finished. On CPU, traced like a decode step: rows padded to a graph size
+        with inert rows (null block, position 0), keyed by (size, context bucket); elsewhere
+        (CUDA, where prefill runs eager; TP; debug) called directly."""
+        R = h.shape[0]
+        if not self.trace or is_debug() or R > self.plan.max_num_seqs or self.proposer.num_spec == 1:
+            return self.proposer.draft_passes(h, draft, pos, block_table, max_seq_len, self.cache)
+        n, context = self.plan.dispatch(R), self.context_bucket(max_seq_len)
+        key = (n, context)
+        uses = self._draft_uses[key] = self._draft_uses.get(key, 0) + 1
+        fn = self.draft_graphs.get(key)
+        if fn is None and uses > self.trace_after:
+            inert = (h.new_zeros(n, h.shape[1]), draft.new_zeros(n), pos.new_zeros(n),
+                     block_table.new_zeros(n, block_table.shape[1]))
+            try:
+                fn = self.draft_graphs[key] = self._trace(self._drafts_fn(context), inert + self._cache_args(),
+                                                          f"drafts_{n}_{context}")
+            except Exception as e:  # noqa: BLE001 - the direct call below needs no tracer
+                self._trace_failed(e)
+        if fn is None:
+            return self.proposer.draft_passes(h, draft, pos, block_table, max_seq_len, self.cache)
+
+        def pad(x):
+            return x if n == R else torch.cat([x, x.new_zeros((n - R,) + tuple(x.shape[1:]))])
+        return fn(pad(h), pad(draft), pad(pos), pad(block_table), *self._cache_args())[:R]
 
     def describe(self) -> str:
         mode = ("CUDA graphs" if self.cuda else "TorchScript traces on CPU" if self.trace

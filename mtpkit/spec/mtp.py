@@ -57,16 +57,44 @@ class MTPProposer:
     ) -> Int[Tensor, "num_reqs_padded num_spec"]:
         """Drafts for the rows whose last accepted token sits at hidden[last_idx[i]];
         `block_table[i]` is that row's block table (for the later passes)."""
-        model, k = self.model, self.num_spec
+        h, draft, pos = self.first_pass(hidden, next_tokens, positions, meta, cache, last_idx, block_table)
+        return self.draft_passes(h, draft, pos, block_table, meta.max_seq_len, cache)
+
+    @checked
+    def first_pass(
+        self,
+        hidden: Float[Tensor, "num_tokens hidden"],
+        next_tokens: Int[Tensor, "num_tokens"],
+        positions: Int[Tensor, "num_tokens"],
+        meta: PrefillMetadata | UniformMetadata,
+        cache: CacheTensors,
+        last_idx: Int[Tensor, "num_reqs_padded"],
+        block_table: Int[Tensor, "num_reqs_padded max_blocks"],
+    ) -> tuple[Float[Tensor, "num_reqs_padded hidden"], Int[Tensor, "num_reqs_padded"], Int[Tensor, "num_reqs_padded"]]:
+        """Pass 1: (its output hidden, draft 1, position) at each row's last accepted token."""
         pos = positions[last_idx]
         # Pass 1 writes the MTP layer's K/V at every position; only the last accepted one's
         # output is needed (one query per row, like the draft passes).
         first = draft_pass_metadata(block_table, pos, self.block_size, meta.max_seq_len)
-        h = model.mtp_forward_rows(next_tokens, positions, hidden, meta, cache, last_idx, first)
-        draft = model.compute_logits(h).argmax(-1)
-        drafts = [draft]
-        for j in range(1, k):
-            meta_j = draft_pass_metadata(block_table, pos + j, self.block_size, meta.max_seq_len + k)
+        h = self.model.mtp_forward_rows(next_tokens, positions, hidden, meta, cache, last_idx, first)
+        return h, self.model.compute_logits(h).argmax(-1), pos
+
+    @checked
+    def draft_passes(
+        self,
+        h: Float[Tensor, "num_reqs_padded hidden"],
+        draft: Int[Tensor, "num_reqs_padded"],
+        pos: Int[Tensor, "num_reqs_padded"],
+        block_table: Int[Tensor, "num_reqs_padded max_blocks"],
+        max_seq_len: int,
+        cache: CacheTensors,
+    ) -> Int[Tensor, "num_reqs_padded num_spec"]:
+        """Passes 2..num_spec after pass 1, whose output hidden `h` and draft `draft` sit at
+        position `pos` of each row; one token per row and pass, shapes fixed by the row count
+        (so a prefill's draft passes can run as a captured graph too)."""
+        model, drafts = self.model, [draft]
+        for j in range(1, self.num_spec):
+            meta_j = draft_pass_metadata(block_table, pos + j, self.block_size, max_seq_len + self.num_spec)
             h = model.mtp_forward(draft, pos + j, h, meta_j, cache, step=j)
             draft = model.compute_logits(h).argmax(-1)
             drafts.append(draft)
