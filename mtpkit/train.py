@@ -12,6 +12,12 @@ the recursive use the engine makes of the one MTP layer for drafts 2..num_spec: 
 t it takes pass 1's output hidden at t-1 (and the embedding of token t+1) and predicts token
 t+2 again, three tokens after the hidden state it started from (see `forward_losses`).
 
+A second stage trains the MTP head alone (`--init-from` a checkpoint, `--train-part mtp`):
+the target is frozen (so its outputs, and transformers parity, do not change), the MTP passes
+are trained deeper (one loss weight per pass), and `--distill` mixes into each pass's loss the
+cross-entropy to the target's own next-token distribution: greedy speculation accepts a draft
+when it equals the target's argmax, not the data's next token.
+
 Corpus: the Python standard library of the running interpreter: every `*.py` file under
 `sysconfig.get_paths()["stdlib"]` except third-party `site-packages` / `dist-packages`
 folders, sorted by path relative to that directory (POSIX form). Held-out split: the file
@@ -364,22 +370,42 @@ class RouterProbe:
         return total / max(n, 1) if n else torch.zeros(()), worst
 
 
-def forward_losses(model: Qwen3NextForCausalLM, batch: Int[Tensor, "num_reqs seq_len"], mtp_depth: int = 1) -> dict:
+def forward_losses(model: Qwen3NextForCausalLM, batch: Int[Tensor, "num_reqs seq_len"], mtp_depth: int = 1,
+                   frozen_target: bool = False, distill: float = 0.0) -> dict:
     """Per-token mean losses of one batch [B, T + 2] (inputs are the first T tokens).
 
     ntp:      position t predicts token t+1 from the target's hidden h_t.
     mtp[0]:   position t, from h_t and embed(token t+1), predicts token t+2.
-    mtp[1]:   position t >= 1, from pass 1's output at t-1 and embed(token t+1), predicts
-              token t+2 (teacher-forced recursion; its own fresh MTP KV cache)."""
+    mtp[j]:   position t >= j, from pass j's output at t-1 and embed(token t+1), predicts
+              token t+2 (teacher-forced recursion; its own fresh MTP KV cache).
+
+    frozen_target: the target runs without gradients (training the MTP head alone).
+    distill: weight in [0, 1] of the target's own distribution at t+1 (what greedy
+    speculation must agree with) against the data token t+2 in each MTP pass's loss, at the
+    positions where the target's next distribution is known (t <= T-2)."""
     B, T = batch.shape[0], batch.shape[1] - 2
     token_ids, positions, meta = prefill_step(B, T, batch[:, :T])
     cache = fresh_cache(model, B, T)
-    hidden = model(token_ids, positions, meta, cache)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen_target):
+        hidden = model(token_ids, positions, meta, cache)
+        logits = model.compute_logits(hidden)
     targets1 = batch[:, 1:T + 1].reshape(-1)
     targets2 = batch[:, 2:T + 2].reshape(-1)
-    out = {"ntp": F.cross_entropy(model.compute_logits(hidden), targets1), "mtp": []}
+    out = {"ntp": F.cross_entropy(logits, targets1), "mtp": []}
+    # The target's distribution over token t+2 (its prediction at t+1), for t = 0..T-2.
+    soft = torch.softmax(logits.detach().float().view(B, T, -1)[:, 1:], -1) if distill > 0 else None
+
+    def mtp_loss(mtp_logits: Tensor, j: int) -> Tensor:
+        """Loss of pass j+1 at positions t >= j ([B, T, V] logits)."""
+        lg = mtp_logits.view(B, T, -1)
+        data = F.cross_entropy(lg[:, j:].reshape(-1, lg.shape[-1]), batch[:, 2 + j:T + 2].reshape(-1))
+        if soft is None:
+            return data
+        logp = torch.log_softmax(lg[:, j:T - 1].float(), -1)
+        return (1 - distill) * data - distill * (soft[:, j:] * logp).sum(-1).mean()
+
     h = model.mtp_forward(targets1, positions, hidden, meta, cache, step=0)
-    out["mtp"].append(F.cross_entropy(model.compute_logits(h), targets2))
+    out["mtp"].append(mtp_loss(model.compute_logits(h), 0))
     out["mtp_hidden"] = h
     for j in range(1, mtp_depth):
         # Pass j+1 at position t reads pass j's output at t-1; positions < j have no input.
@@ -390,9 +416,7 @@ def forward_losses(model: Qwen3NextForCausalLM, batch: Int[Tensor, "num_reqs seq
         kv[n_full] = tuple(torch.zeros_like(t) for t in cache.kv[n_full])
         cache_j = CacheTensors(kv=kv, conv=cache.conv, ssm=cache.ssm, block_size=cache.block_size)
         h = model.mtp_forward(targets1, positions, h_in, meta, cache_j, step=j)
-        logits = model.compute_logits(h).view(B, T, -1)[:, j:]
-        out["mtp"].append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                          batch[:, 2 + j:T + 2].reshape(-1)))
+        out["mtp"].append(mtp_loss(model.compute_logits(h), j))
     return out
 
 
@@ -420,6 +444,30 @@ class TrainArgs:
     dtype: str = "bfloat16"
     line_aligned: bool = True
     top_level_fraction: float = 0.5
+    # Second stage: start from a checkpoint and train only its MTP head (the target frozen),
+    # with `distill` of each MTP pass's loss on the target's own next-token distribution.
+    init_from: str | None = None
+    train_part: str = "all"          # "all" | "mtp"
+    distill: float = 0.0
+
+
+def init_from_checkpoint(model: Qwen3NextForCausalLM, path: Path, kwargs: dict) -> None:
+    """Load a checkpoint of this size into the training model (float32)."""
+    cfg = Qwen3NextConfig.from_file(path)
+    if cfg != mtpkit_config(kwargs):
+        raise SystemExit(f"{path} is not a checkpoint of this --size")
+    load_checkpoint(model, path, torch.float32, torch.device("cpu"))
+    for p in model.parameters():
+        p.requires_grad_(True)
+
+
+def set_trainable(model: Qwen3NextForCausalLM, part: str) -> None:
+    """"all": every parameter; "mtp": only the MTP head's (`mtp.*`). The embedding and lm_head
+    the MTP passes share with the target stay frozen then: the target must not change."""
+    if part not in ("all", "mtp"):
+        raise ValueError(f"train_part must be 'all' or 'mtp', not {part!r}")
+    for name, p in model.named_parameters():
+        p.requires_grad_(part == "all" or name.startswith("mtp."))
 
 
 def lr_at(step: int, a: TrainArgs) -> float:
@@ -434,6 +482,8 @@ def make_optimizer(model: Qwen3NextForCausalLM, a: TrainArgs) -> torch.optim.Ada
     """AdamW; weight decay on matrices (and the experts), none on norms, A_log, dt_bias, conv."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
         (decay if p.ndim >= 2 and not name.endswith("conv_weight") else no_decay).append(p)
     return torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
@@ -525,6 +575,9 @@ def train(a: TrainArgs, log=print) -> Qwen3NextForCausalLM:
     val = heldout_windows(a.eval_windows, a.seq_len, a.seed)
     torch.manual_seed(a.seed)
     model = build_model(kwargs, a.seed)
+    if a.init_from:
+        init_from_checkpoint(model, Path(a.init_from), kwargs)
+    set_trainable(model, a.train_part)
     opt = make_optimizer(model, a)
     g = torch.Generator().manual_seed(a.seed)
     step, elapsed_before = 0, 0.0
@@ -555,17 +608,17 @@ def train(a: TrainArgs, log=print) -> Qwen3NextForCausalLM:
         for group in opt.param_groups:
             group["lr"] = lr
         batch = sample_batch(data, a.batch, a.seq_len, g, starts, top_starts, a.top_level_fraction)
-        out = forward_losses(model, batch, mtp_depth)
-        loss = out["ntp"] + sum(w * l for w, l in zip(a.mtp_weights, out["mtp"]))
+        out = forward_losses(model, batch, mtp_depth, a.train_part == "mtp", a.distill)
+        loss = (out["ntp"] if a.train_part == "all" else 0.0) + sum(w * l for w, l in zip(a.mtp_weights, out["mtp"]))
         bal, max_load = probe.loss() if probe is not None else (torch.zeros(()), 0.0)
         loss = loss + a.balance_coef * bal
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
+        gn = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], a.clip)
         opt.step()
         step += 1
         elapsed = time.time() - t0
-        mtp = [l.item() for l in out["mtp"]] + [float("nan")] * (2 - mtp_depth)
+        mtp = [l.item() for l in out["mtp"]] + [float("nan")] * max(2 - mtp_depth, 0)
         loss_log.write(f"{step}\t{step * tokens_per_step}\t{lr:.3e}\t{loss.item():.4f}\t{out['ntp'].item():.4f}\t"
                        f"{mtp[0]:.4f}\t{mtp[1]:.4f}\t{bal.item():.4f}\t{max_load:.2f}\t{float(gn):.3f}\t"
                        f"{elapsed:.1f}\n")
@@ -672,6 +725,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="start training windows at any byte instead of at line starts")
     p.add_argument("--top-level-fraction", type=float, default=d.top_level_fraction,
                    help="fraction of each batch whose windows start at a column-0 line")
+    p.add_argument("--init-from", default=d.init_from, help="start from this checkpoint directory")
+    p.add_argument("--train-part", choices=["all", "mtp"], default=d.train_part,
+                   help="mtp: train only the MTP head (the target frozen)")
+    p.add_argument("--distill", type=float, default=d.distill,
+                   help="weight of the target's next-token distribution in each MTP pass's loss (0..1)")
     p.add_argument("--bench", nargs="*", metavar="SIZE",
                    help="only measure training throughput of these sizes (all when none given)")
     p.add_argument("--export-only", action="store_true",
@@ -684,7 +742,8 @@ def main(argv: list[str] | None = None) -> None:
                   seed=args.seed, threads=args.threads, work_dir=args.work_dir, out_dir=args.out_dir,
                   save_every=args.save_every, eval_every=args.eval_every, export_every=args.export_every,
                   dtype=args.dtype, line_aligned=args.line_aligned,
-                  top_level_fraction=args.top_level_fraction)
+                  top_level_fraction=args.top_level_fraction, init_from=args.init_from,
+                  train_part=args.train_part, distill=args.distill)
     def log(s: str) -> None:
         print(s, flush=True)
 

@@ -1,0 +1,71 @@
+"""mtpkit.train's second stage (the MTP head alone, from a checkpoint): losses and what moves."""
+
+import torch
+
+from mtpkit.models.registry import resolve_model
+from mtpkit.train import (SIZES, TrainArgs, build_model, forward_losses, init_from_checkpoint, set_trainable,
+                          train)
+
+
+def _model():
+    m = build_model(SIZES["l4-e64"], seed=0)
+    init_from_checkpoint(m, resolve_model("tiny-qwen3-next"), SIZES["l4-e64"])
+    return m
+
+
+def _batch(B=2, T=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (B, T + 2), generator=g)
+
+
+def test_frozen_target_gets_no_gradient_and_distill_zero_is_data_loss():
+    m, batch = _model(), _batch()
+    set_trainable(m, "mtp")
+    out = forward_losses(m, batch, mtp_depth=3, frozen_target=True)
+    assert len(out["mtp"]) == 3 and not out["ntp"].requires_grad
+    sum(out["mtp"]).backward()
+    for name, p in m.named_parameters():
+        assert (p.grad is not None) == name.startswith("mtp."), name
+    with torch.no_grad():
+        plain = forward_losses(m, batch, mtp_depth=3)
+        zero = forward_losses(m, batch, mtp_depth=3, frozen_target=True, distill=0.0)
+        full = forward_losses(m, batch, mtp_depth=3, frozen_target=True, distill=1.0)
+    assert all(torch.equal(a, b) for a, b in zip(plain["mtp"], zero["mtp"]))
+    # distill 1: cross-entropy against the target's own next distribution, which is at least
+    # that distribution's entropy and differs from the data loss
+    assert all(torch.isfinite(x) and not torch.equal(x, y) for x, y in zip(full["mtp"], plain["mtp"]))
+
+
+def test_distill_loss_is_cross_entropy_to_the_targets_next_distribution():
+    m, batch = _model(), _batch(B=1, T=12)
+    B, T = batch.shape[0], batch.shape[1] - 2
+    with torch.no_grad():
+        out = forward_losses(m, batch, mtp_depth=1, frozen_target=True, distill=1.0)
+        # reference, position by position: the target's distribution at t+1 against the MTP's at t
+        full = forward_losses(m, batch, mtp_depth=1)
+        from mtpkit.train import fresh_cache, prefill_step
+        ids, pos, meta = prefill_step(B, T, batch[:, :T])
+        cache = fresh_cache(m, B, T)
+        hid = m(ids, pos, meta, cache)
+        p = torch.softmax(m.compute_logits(hid), -1)
+        q = torch.log_softmax(m.compute_logits(m.mtp_forward(batch[:, 1:T + 1].reshape(-1), pos, hid, meta, cache)), -1)
+        ref = -sum((p[t + 1] * q[t]).sum() for t in range(T - 1)) / (T - 1)
+    assert torch.allclose(out["mtp"][0], ref, rtol=1e-5)
+    assert not torch.allclose(full["mtp"][0], ref)
+
+
+def test_mtp_stage_trains_only_the_mtp_head(tmp_path):
+    base = _model()
+    a = TrainArgs(steps=2, batch=2, seq_len=32, warmup=1, mtp_weights=(1.0, 0.8, 0.6), eval_every=10**6,
+                  save_every=10**6, export_every=10**6, work_dir=str(tmp_path / "work"),
+                  out_dir=str(tmp_path / "out"), init_from=str(resolve_model("tiny-qwen3-next")),
+                  train_part="mtp", distill=0.5, seed=1)
+    threads = torch.get_num_threads()
+    try:
+        trained = train(a, log=lambda s: None)
+    finally:
+        torch.set_num_threads(threads)  # train() sets its own thread count
+    before, after = dict(base.named_parameters()), dict(trained.named_parameters())
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    assert moved and all(n.startswith("mtp.") for n in moved)
+    assert (tmp_path / "out" / "model.safetensors").exists()
