@@ -87,6 +87,22 @@ def test_failed_trace_falls_back_to_direct_calls(ckdir, monkeypatch):
     assert graph == eager and not g.trace and not g.verify_graphs and not g.draft_graphs
 
 
+def test_large_steps_keep_a_fixed_shape_moe_path(ckdir, monkeypatch):
+    """Above dense_limit token-expert pairs the MoE loops over the experts it routed to, a
+    path whose shapes follow the routing: a graph must not take it (a trace would replay the
+    routing it was traced with). Lowering the limit makes every verify step that large."""
+    from mtpkit.models.moe import SparseMoE
+
+    path = _ck(str(ckdir))
+    prompts = oracle.random_prompts(5, 256, seed=5, lengths=[1, 9, 17, 30, 44])
+    monkeypatch.setattr(SparseMoE, "dense_limit", 4)
+    eager, _, _ = _run(path, prompts, num_spec=2, enforce_eager=True, max_num_seqs=8)
+    graph, llm, _ = _run(path, prompts, num_spec=2, max_num_seqs=8)
+    g = llm.runner.graphs
+    assert graph == eager
+    assert g.trace and g.verify_graphs and g.propose_graphs  # traced, not fallen back
+
+
 def _fill_null(llm, value):
     for k, v in llm.cache.kv:
         k[0].fill_(value), v[0].fill_(value)

@@ -213,6 +213,10 @@ class GraphRunner:
             # every graph path against enforce_eager.)
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             warnings.simplefilter("ignore", DeprecationWarning)
+            # But a tensor's value read on the host (.tolist(), .item(), int(t)) would be frozen
+            # into the trace: that is an error, and the engine falls back to direct calls.
+            warnings.filterwarnings("error", message="Converting a tensor to a Python (list|number|integer|float|index)",
+                                    category=torch.jit.TracerWarning)
             traced = torch.jit.trace(fn, args, check_trace=False)
         # A graph replays only at the shape it was traced for: fold its shape bookkeeping.
         return specialized(traced, name)

@@ -123,7 +123,9 @@ class SparseMoE(nn.Module):
 
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens hidden"]:
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        # A captured or traced graph must not take the grouped path: its shapes follow the routing
+        # (a CUDA capture would fail; a CPU trace would replay the routing it was traced with).
+        capturing = torch.jit.is_tracing() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
         T = x.shape[0]
         h = F.linear(x, self.w_in)                                 # [T, E + s + 2S]
         if not capturing and T * self.num_experts > self.dense_limit:
