@@ -17,7 +17,7 @@ from ..config import EngineConfig
 from ..models.qwen3_next import Qwen3NextForCausalLM
 from ..graphs.plan import CapturePlan
 from ..graphs.runner import GraphRunner
-from ..spec.mtp import MTPProposer
+from ..spec.mtp import MTPProposer, pass1_inputs
 from ..spec.rejection import rejection_sample
 from ..spec.sampling import SamplingTensors
 from .cache import CacheTensors
@@ -105,14 +105,14 @@ class ModelRunner:
         rows = [UniformRow([r.all_token_ids[-1]] + r.drafts, r.num_computed, r.block_ids,
                            r.state_slots, r.num_accepted) for r in reqs]
         if self.graphs is not None:
-            hidden, logits, positions = self.graphs.verify(rows, n)
+            hidden, logits, positions, token_ids = self.graphs.verify(rows, n)
         else:
             token_ids, positions, meta = build_uniform(rows, n, self.cfg.block_size, self.cfg.max_blocks,
                                                        self.device)
             hidden = self.model(token_ids, positions, meta, self.cache)
             logits = self.model.compute_logits(hidden)
         logits = logits.view(n, B, -1)[:R]
-        drafts = torch.tensor([r.drafts for r in reqs], dtype=torch.int64, device=self.device).view(R, k)
+        drafts = token_ids.view(n, B)[:R, 1:]                                 # [R, k]: d_1..d_k
         limit_list = [min(k, max(r.remaining(self.cfg.max_model_len) - 1, 0)) for r in reqs]
         limit = torch.tensor(limit_list, dtype=torch.int64, device=self.device)
         st = SamplingTensors.from_params([r.params for r in reqs], self.device)
@@ -123,19 +123,11 @@ class ModelRunner:
         n_list, tok_list = n_emit.tolist(), tokens.tolist()
         new_drafts = [[] for _ in reqs]
         if self.proposer is not None:
-            # The token after position j is d_{j+1}; after the accepted ones, what was emitted.
-            nxt = torch.zeros(n, B, dtype=torch.int64, device=self.device)
-            nxt[:R, :k] = drafts
-            keep = torch.arange(B, device=self.device)[None, :] < n_emit[:, None]
-            nxt[:R] = torch.where(keep, tokens, nxt[:R])
-            # Padded rows "accepted" their first token: they draft from null storage.
-            accepted = torch.ones(n, dtype=torch.int64, device=self.device)
-            accepted[:R] = n_emit
-            last = torch.arange(n, device=self.device) * B + accepted - 1
             if self.graphs is not None:
-                drafts_out = self.graphs.propose(nxt.view(-1), last)
-            else:
-                drafts_out = self.proposer.propose(hidden, nxt.view(-1), positions, meta, self.cache, last,
+                drafts_out = self.graphs.propose(tokens, n_emit)
+            else:  # eager: n == R
+                next_tokens, last = pass1_inputs(token_ids.view(n, B), tokens, n_emit)
+                drafts_out = self.proposer.propose(hidden, next_tokens, positions, meta, self.cache, last,
                                                    meta.block_table)
             new_drafts = self.tp.broadcast(drafts_out[:R].contiguous()).tolist()
         return [ReqResult(tok_list[i][:n_list[i]], n_list[i], limit_list[i], new_drafts[i]) for i in range(R)]

@@ -31,7 +31,7 @@ from ..config import EngineConfig
 from ..engine.cache import CacheTensors
 from ..models.qwen3_next import Qwen3NextForCausalLM
 from ..shapes import Float, Int, Tensor, checked, is_debug
-from ..spec.mtp import MTPProposer
+from ..spec.mtp import MTPProposer, pass1_inputs
 from .plan import CapturePlan
 from .specialize import specialized
 
@@ -54,8 +54,8 @@ class StaticBuffers:
     block_table: Tensor      # [max_reqs, max_blocks]
     state_slots: Tensor      # [max_reqs, bundle]
     num_accepted: Tensor     # [max_reqs]
-    next_tokens: Tensor      # [max_reqs * bundle]  (propose: the token after each position)
-    last_idx: Tensor         # [max_reqs]           (propose: last accepted token of each row)
+    emitted: Tensor          # [max_reqs * bundle]  (propose: what the verify step emitted, per row)
+    num_emitted: Tensor      # [max_reqs]           (propose: how many)
 
     @classmethod
     def allocate(cls, max_reqs: int, bundle: int, max_blocks: int, device) -> "StaticBuffers":
@@ -77,8 +77,8 @@ class StaticBuffers:
         self.block_table[:n].zero_()
         self.state_slots[:n].zero_()
         self.num_accepted[:n].fill_(1)
-        self.next_tokens[:n * bundle].zero_()
-        self.last_idx[:n].copy_(torch.arange(n, device=self.last_idx.device) * bundle)
+        self.emitted[:n * bundle].zero_()
+        self.num_emitted[:n].fill_(1)
 
     def inputs(self, n: int, bundle: int) -> tuple[Tensor, ...]:
         """The views a verify graph reads, in its argument order."""
@@ -103,6 +103,7 @@ class GraphRunner:
         self.outputs: dict[int, dict[str, Tensor]] = {}
         self.pool = None
         self._key = None                  # the graph the last `verify` replayed
+        self._n = 0                       # and its num_reqs_padded
         self._uses: dict = {}             # CPU: replays of each (n, context) so far
         self.draft_graphs: dict = {}      # CPU: (n, context) -> traced draft passes after a prefill
         self._draft_uses: dict = {}
@@ -132,9 +133,11 @@ class GraphRunner:
         return verify
 
     def _propose_fn(self, max_seq_len: int):
-        def propose(hidden, next_tokens, last_idx, token_ids, positions, slot_mapping, seq_lens, block_table,
+        def propose(hidden, emitted, num_emitted, token_ids, positions, slot_mapping, seq_lens, block_table,
                     state_slots, num_accepted, *cache):
             meta = self._meta(slot_mapping, seq_lens, block_table, state_slots, num_accepted, max_seq_len)
+            n = num_emitted.shape[0]
+            next_tokens, last_idx = pass1_inputs(token_ids.view(n, -1), emitted.view(n, -1), num_emitted)
             return self.proposer.propose(hidden, next_tokens, positions, meta, self._cache_from(cache), last_idx,
                                          block_table)
         return propose
@@ -149,7 +152,7 @@ class GraphRunner:
 
     def _propose_args(self, n: int, hidden: Float[Tensor, "num_tokens hidden"]) -> tuple[Tensor, ...]:
         B, buf = self.bundle, self.buf
-        return (hidden, buf.next_tokens[:n * B], buf.last_idx[:n]) + self._verify_args(n)
+        return (hidden, buf.emitted[:n * B], buf.num_emitted[:n]) + self._verify_args(n)
 
     # ---- capture ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -229,8 +232,10 @@ class GraphRunner:
     # ---- replay -------------------------------------------------------------------------
     @checked
     def verify(self, rows: list[UniformRow], num_reqs_padded: int) -> tuple[
-            Float[Tensor, "num_tokens hidden"], Float[Tensor, "num_tokens vocab"], Int[Tensor, "num_tokens"]]:
-        """Fill the buffers with the real rows and inert padded rows, replay verify[n]."""
+            Float[Tensor, "num_tokens hidden"], Float[Tensor, "num_tokens vocab"], Int[Tensor, "num_tokens"],
+            Int[Tensor, "num_tokens"]]:
+        """Fill the buffers with the real rows and inert padded rows, replay verify[n]:
+        (hidden, logits, positions, token_ids) of every bundle token."""
         n, B = num_reqs_padded, self.bundle
         max_seq_len = max(r.start for r in rows) + B
         traced = self.trace and not is_debug()
@@ -265,22 +270,26 @@ class GraphRunner:
                 self._key = (n, None, meta.max_seq_len)
                 hidden, logits = self._verify_fn(meta.max_seq_len)(*self._verify_args(n))
             out = self.outputs[n] = {"hidden": hidden, "logits": logits}
-        return out["hidden"], out["logits"], buf.positions[:n * B]
+        self._n = n
+        return out["hidden"], out["logits"], buf.positions[:n * B], buf.token_ids[:n * B]
 
     @checked
-    def propose(self, next_tokens: Int[Tensor, "num_tokens"], last_idx: Int[Tensor, "num_reqs_padded"]
-                ) -> Int[Tensor, "num_reqs_padded num_spec"]:
-        """Replay propose[n] for the rows filled by the last `verify`."""
-        n = last_idx.shape[0]
-        self.buf.next_tokens[:next_tokens.shape[0]].copy_(next_tokens)
-        self.buf.last_idx[:n].copy_(last_idx)
+    def propose(self, emitted: Int[Tensor, "num_reqs bundle"], num_emitted: Int[Tensor, "num_reqs"]
+                ) -> Int[Tensor, "num_reqs num_spec"]:
+        """Replay propose[n] for the rows filled by the last `verify`, which emitted
+        emitted[i, :num_emitted[i]] (padded rows: one token 0)."""
+        n, (R, B), buf = self._n, emitted.shape, self.buf
+        buf.emitted[:R * B].view(R, B).copy_(emitted)
+        buf.emitted[R * B:n * B].zero_()
+        buf.num_emitted[:R].copy_(num_emitted)
+        buf.num_emitted[R:n].fill_(1)
         if self.cuda:
             self.propose_graphs[n].replay()
-            return self.outputs[n]["drafts"]
+            return self.outputs[n]["drafts"][:R]
         args = self._propose_args(n, self.outputs[n]["hidden"])
         if self._key[1] is not None:  # traced
-            return self.propose_graphs[self._key](*args)
-        return self._propose_fn(self._key[2])(*args)
+            return self.propose_graphs[self._key](*args)[:R]
+        return self._propose_fn(self._key[2])(*args)[:R]
 
     @checked
     def draft_passes(self, h: Float[Tensor, "num_reqs hidden"], draft: Int[Tensor, "num_reqs"],

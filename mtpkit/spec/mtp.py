@@ -40,6 +40,25 @@ def draft_pass_metadata(
     )
 
 
+@checked
+def pass1_inputs(
+    token_ids: Int[Tensor, "num_reqs_padded bundle"],
+    tokens: Int[Tensor, "num_reqs_padded bundle"],
+    num_emitted: Int[Tensor, "num_reqs_padded"],
+) -> tuple[Int[Tensor, "num_tokens"], Int[Tensor, "num_reqs_padded"]]:
+    """After a verify step that fed `token_ids` ([last token, d_1..d_k] per row) and emitted
+    tokens[i, :num_emitted[i]]: the token after each bundle position (what was emitted at
+    the accepted positions, the next draft d_{j+1} after them; 0 after the last) and the flat
+    index of each row's last accepted position: pass 1's inputs. (Inert padded rows emit one
+    token 0 and keep pointing at null storage.)"""
+    R, B = token_ids.shape
+    after = torch.cat([token_ids[:, 1:], torch.zeros_like(token_ids[:, :1])], dim=1)    # d_{j+1}
+    accepted = torch.arange(B, device=tokens.device)[None, :] < num_emitted[:, None]
+    nxt = torch.where(accepted, tokens, after)
+    last = torch.arange(R, device=tokens.device) * B + num_emitted - 1
+    return nxt.reshape(-1), last
+
+
 class MTPProposer:
     def __init__(self, model: Qwen3NextForCausalLM, num_spec: int, block_size: int):
         self.model, self.num_spec, self.block_size = model, num_spec, block_size
