@@ -289,3 +289,20 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(ckdir):
     b = [o.token_ids for o in llm.generate(prompts, sp)]
     alone = [LLM(path, num_spec=2, **F64).generate([p], s)[0].token_ids for p, s in zip(prompts, sp)]
     assert a == b == alone
+
+
+def test_pass1_inputs_follow_the_accepted_tokens():
+    """Position j's next token: what was emitted there if accepted, else draft j+1 (0 after
+    the last); the last accepted position of row i is i * bundle + num_emitted - 1."""
+    from mtpkit.spec.mtp import pass1_inputs
+
+    g = torch.Generator().manual_seed(0)
+    R, B = 5, 4
+    token_ids = torch.randint(1, 100, (R, B), generator=g)
+    tokens = torch.randint(100, 200, (R, B), generator=g)
+    num_emitted = torch.tensor([1, 2, 3, 4, 1])
+    nxt, last = pass1_inputs(token_ids, tokens, num_emitted)
+    want = [[int(tokens[i, j]) if j < num_emitted[i] else (int(token_ids[i, j + 1]) if j + 1 < B else 0)
+             for j in range(B)] for i in range(R)]
+    assert nxt.view(R, B).tolist() == want
+    assert last.tolist() == [i * B + int(num_emitted[i]) - 1 for i in range(R)]
