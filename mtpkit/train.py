@@ -599,7 +599,8 @@ def train(a: TrainArgs, log=print) -> Qwen3NextForCausalLM:
         f"data ready in {time.time() - t_start:.1f}s")
     loss_log = (work / "loss.tsv").open("a")
     if step == 0:
-        loss_log.write("step\ttokens\tlr\tloss\tntp\tmtp1\tmtp2\tbalance\tmax_load\tgrad_norm\telapsed_s\n")
+        mtp_cols = "".join(f"mtp{j + 1}\t" for j in range(max(mtp_depth, 2)))
+        loss_log.write(f"step\ttokens\tlr\tloss\tntp\t{mtp_cols}balance\tmax_load\tgrad_norm\telapsed_s\n")
     probe = RouterProbe(model, kwargs["num_experts_per_tok"]) if a.balance_coef > 0 else None
     t0, tokens_per_step = time.time() - elapsed_before, a.batch * a.seq_len
     model.train()
@@ -620,7 +621,7 @@ def train(a: TrainArgs, log=print) -> Qwen3NextForCausalLM:
         elapsed = time.time() - t0
         mtp = [l.item() for l in out["mtp"]] + [float("nan")] * max(2 - mtp_depth, 0)
         loss_log.write(f"{step}\t{step * tokens_per_step}\t{lr:.3e}\t{loss.item():.4f}\t{out['ntp'].item():.4f}\t"
-                       f"{mtp[0]:.4f}\t{mtp[1]:.4f}\t{bal.item():.4f}\t{max_load:.2f}\t{float(gn):.3f}\t"
+                       + "".join(f"{m:.4f}\t" for m in mtp) + f"{bal.item():.4f}\t{max_load:.2f}\t{float(gn):.3f}\t"
                        f"{elapsed:.1f}\n")
         loss_log.flush()
         if step % 10 == 0 or step == 1:

@@ -69,3 +69,6 @@ def test_mtp_stage_trains_only_the_mtp_head(tmp_path):
     moved = {n for n in before if not torch.equal(before[n], after[n])}
     assert moved and all(n.startswith("mtp.") for n in moved)
     assert (tmp_path / "out" / "model.safetensors").exists()
+    header, *rows = (tmp_path / "work" / "loss.tsv").read_text().splitlines()
+    assert header.split("\t")[4:8] == ["ntp", "mtp1", "mtp2", "mtp3"] and len(rows) == 2
+    assert all(len(r.split("\t")) == len(header.split("\t")) for r in rows)
