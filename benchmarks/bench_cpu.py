@@ -3,16 +3,19 @@ without MTP vs mtpkit with num_spec 1..4, at batch 1 and 8.
 
 Prints tokens/s and the ratios to transformers and to mtpkit without MTP, and checks that every
 greedy output is identical (prompts in a batch have the same length, so transformers needs no
-padding). Each configuration is timed `--repeats` times after a warm-up; the best run counts
-(the machine is shared and noisy: the best run is the least disturbed one). The mtpkit engines
+padding). After a warm-up, `--rounds` rounds each run every configuration once (round-robin:
+a noisy stretch of the shared machine hits every configuration alike). tok/s comes from each
+configuration's median time; a ratio is the median over rounds of the two configurations'
+same-round ratio. The mtpkit engines
 are long-lived: their CPU decode graphs are traced on first use (`trace_after = 0`), so the
 warm-up pays for tracing and the timed runs measure the steady state.
 
     python benchmarks/bench_cpu.py                      # the embedded model
-    python benchmarks/bench_cpu.py --max-tokens 64 --batches 1 8 --threads 2
+    python benchmarks/bench_cpu.py --max-tokens 64 --batches 1 8 --threads 1 --rounds 7
 """
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -48,14 +51,24 @@ def hf_generate(model, prompts, max_tokens):
     return [row[len(p):].tolist() for row, p in zip(out, prompts)]
 
 
-def best_time(fn, repeats):
-    fn()  # warm-up
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        t = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, result
+def round_robin(fns: dict, rounds: int) -> tuple[dict, dict]:
+    """Wall times of every function in every round, and each one's last result. Each round
+    runs every function once, so a noisy stretch of the machine (another process, the clock
+    moving with the other core's load) hits them alike instead of one configuration's
+    consecutive repeats."""
+    results = {name: fn() for name, fn in fns.items()}  # warm-up
+    times: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            results[name] = fn()
+            times[name].append(time.perf_counter() - t)
+    return times, results
+
+
+def ratio(times: dict, a, b) -> float:
+    """Median over rounds of how much faster a ran than b in the same round."""
+    return statistics.median(tb / ta for ta, tb in zip(times[a], times[b]))
 
 
 def main():
@@ -65,7 +78,7 @@ def main():
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-spec", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args()
     if args.threads:
@@ -80,27 +93,29 @@ def main():
         llm.runner.graphs.trace_after = 0
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     print(f"model={path.name} max_tokens={args.max_tokens} prompt_len={args.prompt_len} "
-          f"threads={torch.get_num_threads()} (best of {args.repeats})")
+          f"threads={torch.get_num_threads()}; {args.rounds} rounds, each running every engine once: "
+          f"tok/s from the median time, ratios the median of same-round ratios")
     all_same = True
     for batch in args.batches:
         prompts = heldout_prompts(batch, args.prompt_len)
         n = batch * args.max_tokens
-        t_hf, ref = best_time(lambda: hf_generate(hf, prompts, args.max_tokens), args.repeats)
-        rows = [("transformers", n / t_hf, ref, None)]
+        fns = {"transformers": lambda: hf_generate(hf, prompts, args.max_tokens)}
         for k, llm in engines.items():
-            def run():
+            def run(k=k, llm=llm):
                 llm.stats.__init__(num_spec=k)
                 return [o.token_ids for o in llm.generate(prompts, sp)]
-            t, toks = best_time(run, args.repeats)
-            rows.append((f"mtpkit num_spec={k}", n / t, toks, llm.stats.mean_acceptance_length if k else None))
-        base = rows[1][1]
+            fns[k] = run
+        times, results = round_robin(fns, args.rounds)
+        ref = results["transformers"]
         print(f"\nbatch {batch}:")
         print(f"  {'engine':<20} {'tok/s':>8} {'x transformers':>14} {'x mtpkit k=0':>12} {'mean acc len':>12} {'same tokens':>11}")
-        for name, tps, toks, mal in rows:
-            same = toks == ref
+        for name in fns:
+            same = results[name] == ref
             all_same &= same
-            print(f"  {name:<20} {tps:>8.1f} {tps / rows[0][1]:>14.2f} {tps / base:>12.2f} "
-                  f"{'' if mal is None else f'{mal:.2f}':>12} {str(same):>11}")
+            label = name if name == "transformers" else f"mtpkit num_spec={name}"
+            mal = engines[name].stats.mean_acceptance_length if name not in ("transformers", 0) else None
+            print(f"  {label:<20} {n / statistics.median(times[name]):>8.1f} {ratio(times, name, 'transformers'):>14.2f} "
+                  f"{ratio(times, name, 0):>12.2f} {'' if mal is None else f'{mal:.2f}':>12} {str(same):>11}")
     print(f"\nall greedy outputs identical: {all_same}")
 
 

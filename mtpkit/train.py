@@ -371,7 +371,7 @@ class RouterProbe:
 
 
 def forward_losses(model: Qwen3NextForCausalLM, batch: Int[Tensor, "num_reqs seq_len"], mtp_depth: int = 1,
-                   frozen_target: bool = False, distill: float = 0.0) -> dict:
+                   frozen_target: bool = False, distill: float = 0.0, mtp_keys: str = "own") -> dict:
     """Per-token mean losses of one batch [B, T + 2] (inputs are the first T tokens).
 
     ntp:      position t predicts token t+1 from the target's hidden h_t.
@@ -380,6 +380,8 @@ def forward_losses(model: Qwen3NextForCausalLM, batch: Int[Tensor, "num_reqs seq
               token t+2 (teacher-forced recursion; its own fresh MTP KV cache).
 
     frozen_target: the target runs without gradients (training the MTP head alone).
+    mtp_keys: "own": pass j+1's attention reads its own K/V at every position (a fresh MTP
+    cache); "inference": the keys the engine's pass j+1 reads (`inference_key_mask`).
     distill: weight in [0, 1] of the target's own distribution at t+1 (what greedy
     speculation must agree with) against the data token t+2 in each MTP pass's loss, at the
     positions where the target's next distribution is known (t <= T-2)."""
@@ -407,17 +409,58 @@ def forward_losses(model: Qwen3NextForCausalLM, batch: Int[Tensor, "num_reqs seq
     h = model.mtp_forward(targets1, positions, hidden, meta, cache, step=0)
     out["mtp"].append(mtp_loss(model.compute_logits(h), 0))
     out["mtp_hidden"] = h
+    n_full = len(model.cfg.full_layers)
+    pass_kv = [tuple(t[1:B + 1] for t in cache.kv[n_full])]   # each pass's K, V [B, T, kv_heads, head_dim]
     for j in range(1, mtp_depth):
         # Pass j+1 at position t reads pass j's output at t-1; positions < j have no input.
         prev = h.view(B, T, -1)
         h_in = torch.cat([prev[:, :1], prev[:, :-1]], dim=1).reshape(B * T, -1)
-        n_full = len(model.cfg.full_layers)
         kv = list(cache.kv)
         kv[n_full] = tuple(torch.zeros_like(t) for t in cache.kv[n_full])
         cache_j = CacheTensors(kv=kv, conv=cache.conv, ssm=cache.ssm, block_size=cache.block_size)
-        h = model.mtp_forward(targets1, positions, h_in, meta, cache_j, step=j)
+        if mtp_keys == "inference":
+            h = _mtp_pass_inference_keys(model, targets1, positions, h_in, meta, cache_j, j, pass_kv, B, T)
+            pass_kv.append(tuple(t[1:B + 1] for t in cache_j.kv[n_full]))
+        else:
+            h = model.mtp_forward(targets1, positions, h_in, meta, cache_j, step=j)
         out["mtp"].append(mtp_loss(model.compute_logits(h), j))
     return out
+
+
+def inference_key_mask(T: int, j: int) -> Tensor:
+    """[T, (j+1) T] bool: which (pass i, position s) keys pass j+1's query at position t sees
+    when it runs as the engine runs it. Drafting from position p (the last accepted one), pass
+    1 wrote the MTP layer's K/V at every position <= p and pass i+1 at p + i; pass j+1 runs at
+    t = p + j. So its keys are pass 1's at s <= t - j and pass (i+1)'s at s = t - j + i for
+    i = 1..j (the last one its own, which every query sees, also where t < j and there is
+    no such p: those positions take no loss)."""
+    t = torch.arange(T)[:, None]
+    s = torch.arange(T)[None, :]
+    return torch.cat([s <= t - j] + [s == t - j + i for i in range(1, j + 1)], dim=1) | \
+        torch.cat([torch.zeros(T, j * T, dtype=torch.bool), s == t], dim=1)
+
+
+def _mtp_pass_inference_keys(model: Qwen3NextForCausalLM, tokens, positions, h_in, meta, cache_j: CacheTensors,
+                             j: int, pass_kv: list, B: int, T: int) -> Tensor:
+    """MTP pass j+1 over every position, as `mtp_forward` computes it, except that attention
+    reads the keys the engine's pass j+1 reads (`inference_key_mask`): earlier passes' K/V,
+    not this pass's own at every position. Writes this pass's K/V to cache_j."""
+    mtp = model.mtp
+    x = mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(model.embed(tokens)), mtp.pre_fc_norm_hidden(h_in)], -1))
+    layer = mtp.layers[j % len(mtp.layers)]
+    attn = layer.self_attn
+    q, gate = attn._project(layer.input_layernorm(x), positions, meta, cache_j)   # q [B*T, heads, D]
+    n_full = len(model.cfg.full_layers)
+    k_all = torch.cat([kv[0] for kv in pass_kv] + [cache_j.kv[n_full][0][1:B + 1]], dim=1)   # [B, (j+1) T, kvh, D]
+    v_all = torch.cat([kv[1] for kv in pass_kv] + [cache_j.kv[n_full][1][1:B + 1]], dim=1)
+    qh = q.view(B, T, attn.heads, attn.hd).transpose(1, 2)
+    kh, vh = k_all.transpose(1, 2), v_all.transpose(1, 2)
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=inference_key_mask(T, j), scale=attn.scale,
+                                       enable_gqa=attn.heads != attn.kv_heads)
+    o = o.transpose(1, 2).reshape(B * T, attn.heads * attn.hd) * torch.sigmoid(gate)
+    x = x + attn.o_proj(o)
+    x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return mtp.norm(x)
 
 
 @dataclasses.dataclass
@@ -449,6 +492,7 @@ class TrainArgs:
     init_from: str | None = None
     train_part: str = "all"          # "all" | "mtp"
     distill: float = 0.0
+    mtp_keys: str = "own"            # "own" | "inference" (see forward_losses)
 
 
 def init_from_checkpoint(model: Qwen3NextForCausalLM, path: Path, kwargs: dict) -> None:
@@ -609,7 +653,7 @@ def train(a: TrainArgs, log=print) -> Qwen3NextForCausalLM:
         for group in opt.param_groups:
             group["lr"] = lr
         batch = sample_batch(data, a.batch, a.seq_len, g, starts, top_starts, a.top_level_fraction)
-        out = forward_losses(model, batch, mtp_depth, a.train_part == "mtp", a.distill)
+        out = forward_losses(model, batch, mtp_depth, a.train_part == "mtp", a.distill, a.mtp_keys)
         loss = (out["ntp"] if a.train_part == "all" else 0.0) + sum(w * l for w, l in zip(a.mtp_weights, out["mtp"]))
         bal, max_load = probe.loss() if probe is not None else (torch.zeros(()), 0.0)
         loss = loss + a.balance_coef * bal
@@ -731,6 +775,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="mtp: train only the MTP head (the target frozen)")
     p.add_argument("--distill", type=float, default=d.distill,
                    help="weight of the target's next-token distribution in each MTP pass's loss (0..1)")
+    p.add_argument("--mtp-keys", choices=["own", "inference"], default=d.mtp_keys,
+                   help="what MTP passes 2.. attend to: their own K/V, or the keys the engine's passes read")
     p.add_argument("--bench", nargs="*", metavar="SIZE",
                    help="only measure training throughput of these sizes (all when none given)")
     p.add_argument("--export-only", action="store_true",
@@ -744,7 +790,7 @@ def main(argv: list[str] | None = None) -> None:
                   save_every=args.save_every, eval_every=args.eval_every, export_every=args.export_every,
                   dtype=args.dtype, line_aligned=args.line_aligned,
                   top_level_fraction=args.top_level_fraction, init_from=args.init_from,
-                  train_part=args.train_part, distill=args.distill)
+                  train_part=args.train_part, distill=args.distill, mtp_keys=args.mtp_keys)
     def log(s: str) -> None:
         print(s, flush=True)
 

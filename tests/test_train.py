@@ -72,3 +72,24 @@ def test_mtp_stage_trains_only_the_mtp_head(tmp_path):
     header, *rows = (tmp_path / "work" / "loss.tsv").read_text().splitlines()
     assert header.split("\t")[4:8] == ["ntp", "mtp1", "mtp2", "mtp3"] and len(rows) == 2
     assert all(len(r.split("\t")) == len(header.split("\t")) for r in rows)
+
+
+def test_inference_keyed_pass_equals_the_engine_pass_when_it_is_the_first():
+    """With no earlier pass the inference-keyed MTP pass is the plain causal pass."""
+    from mtpkit.train import _mtp_pass_inference_keys, fresh_cache, inference_key_mask, prefill_step
+
+    m, batch = _model(), _batch(B=2, T=10)
+    B, T = 2, 10
+    with torch.no_grad():
+        ids, pos, meta = prefill_step(B, T, batch[:, :T])
+        cache = fresh_cache(m, B, T)
+        hid = m(ids, pos, meta, cache)
+        nxt = batch[:, 1:T + 1].reshape(-1)
+        want = m.mtp_forward(nxt, pos, hid, meta, cache, step=0)
+        got = _mtp_pass_inference_keys(m, nxt, pos, hid, meta, fresh_cache(m, B, T), 0, [], B, T)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # pass 3 (j=2) at t=5 (drafting from p=3) sees pass 1 at 0..3, pass 2 at 4, itself at 5
+    mask = inference_key_mask(8, 2).view(8, 3, 8)
+    assert mask[5, 0].nonzero().flatten().tolist() == [0, 1, 2, 3]
+    assert mask[5, 1].nonzero().flatten().tolist() == [4] and mask[5, 2].nonzero().flatten().tolist() == [5]
+    assert all(mask[t, 2, t] for t in range(8))  # every query sees its own key (t < j too)
