@@ -1,6 +1,9 @@
 """Train mtpkit's embedded default model (mtpkit/assets/tiny-qwen3-next) on CPU.
 
-    python examples/train_tiny.py                 # the full run (about 30 minutes, 1 thread)
+    python examples/train_tiny.py                 # stage 1: target + MTP head (about 30 minutes, 1 thread)
+    python examples/train_tiny.py --init-from mtpkit/assets/tiny-qwen3-next --train-part mtp ...
+                                                  # stage 2: the MTP head alone (the exact command:
+                                                  # mtpkit/assets/tiny-qwen3-next/README.md)
     python examples/train_tiny.py --quick         # a 12-step smoke run into a temp directory
     python examples/train_tiny.py --bench         # throughput of the candidate sizes
 

@@ -55,14 +55,14 @@ import torch
 import torch.nn.functional as F
 
 from .attn.backend import TORCH
-from .attn.metadata import PrefillChunk, build_prefill
+from .attn.metadata import PrefillChunk, PrefillMetadata, build_prefill
 from .config import FULL, LINEAR, Qwen3NextConfig
 from .engine.cache import CacheTensors, allocate_cache
 from .models.layers import GatedRMSNorm, Linear, RMSNorm
 from .models.loader import export_state_dict, load_checkpoint
 from .models.moe import SparseMoE
 from .models.qwen3_next import GatedDeltaNet, Qwen3NextForCausalLM
-from .shapes import Int, Tensor
+from .shapes import Bool, Float, Int, Tensor
 
 EOS_TOKEN = "<|endoftext|>"
 EOS_ID = 256
@@ -392,12 +392,11 @@ def forward_losses(model: Qwen3NextForCausalLM, batch: Int[Tensor, "num_reqs seq
         hidden = model(token_ids, positions, meta, cache)
         logits = model.compute_logits(hidden)
     targets1 = batch[:, 1:T + 1].reshape(-1)
-    targets2 = batch[:, 2:T + 2].reshape(-1)
     out = {"ntp": F.cross_entropy(logits, targets1), "mtp": []}
     # The target's distribution over token t+2 (its prediction at t+1), for t = 0..T-2.
     soft = torch.softmax(logits.detach().float().view(B, T, -1)[:, 1:], -1) if distill > 0 else None
 
-    def mtp_loss(mtp_logits: Tensor, j: int) -> Tensor:
+    def mtp_loss(mtp_logits: Float[Tensor, "num_tokens vocab"], j: int) -> Float[Tensor, ""]:
         """Loss of pass j+1 at positions t >= j ([B, T, V] logits)."""
         lg = mtp_logits.view(B, T, -1)
         data = F.cross_entropy(lg[:, j:].reshape(-1, lg.shape[-1]), batch[:, 2 + j:T + 2].reshape(-1))
@@ -427,7 +426,7 @@ def forward_losses(model: Qwen3NextForCausalLM, batch: Int[Tensor, "num_reqs seq
     return out
 
 
-def inference_key_mask(T: int, j: int) -> Tensor:
+def inference_key_mask(T: int, j: int) -> Bool[Tensor, "seq_len _"]:
     """[T, (j+1) T] bool: which (pass i, position s) keys pass j+1's query at position t sees
     when it runs as the engine runs it. Drafting from position p (the last accepted one), pass
     1 wrote the MTP layer's K/V at every position <= p and pass i+1 at p + i; pass j+1 runs at
@@ -440,8 +439,10 @@ def inference_key_mask(T: int, j: int) -> Tensor:
         torch.cat([torch.zeros(T, j * T, dtype=torch.bool), s == t], dim=1)
 
 
-def _mtp_pass_inference_keys(model: Qwen3NextForCausalLM, tokens, positions, h_in, meta, cache_j: CacheTensors,
-                             j: int, pass_kv: list, B: int, T: int) -> Tensor:
+def _mtp_pass_inference_keys(model: Qwen3NextForCausalLM, tokens: Int[Tensor, "num_tokens"],
+                             positions: Int[Tensor, "num_tokens"], h_in: Float[Tensor, "num_tokens hidden"],
+                             meta: PrefillMetadata, cache_j: CacheTensors, j: int, pass_kv: list, B: int, T: int
+                             ) -> Float[Tensor, "num_tokens hidden"]:
     """MTP pass j+1 over every position, as `mtp_forward` computes it, except that attention
     reads the keys the engine's pass j+1 reads (`inference_key_mask`): earlier passes' K/V,
     not this pass's own at every position. Writes this pass's K/V to cache_j."""
@@ -673,6 +674,9 @@ def train(a: TrainArgs, log=print) -> Qwen3NextForCausalLM:
                 f"mtp {' '.join(f'{m:.4f}' for m in mtp[:mtp_depth])} lr {lr:.2e} gn {float(gn):.2f} "
                 f"load {max_load:.2f} {step * tokens_per_step / elapsed:.0f} tok/s {elapsed / 60:.1f} min")
         if step % a.eval_every == 0 or step == a.steps:
+            # (The router probe's hooks also see these forwards: their router logits join the
+            # next step's balance loss, so --eval-every is part of a run's recipe. Kept as it
+            # is: the embedded checkpoint was trained this way and its commands reproduce it.)
             model.eval()
             ev = evaluate(model, val, a.batch, mtp_depth)
             model.train()
