@@ -19,7 +19,7 @@ from ..graphs.plan import CapturePlan
 from ..graphs.runner import GraphRunner
 from ..spec.mtp import MTPProposer, pass1_inputs
 from ..spec.rejection import rejection_sample
-from ..spec.sampling import SamplingTensors
+from ..spec.sampling import SamplingParams, SamplingTensors
 from .cache import CacheTensors
 from .scheduler import ReqResult, StepKind, StepPlan
 
@@ -31,10 +31,22 @@ class ModelRunner:
         self.model, self.cache, self.cfg, self.device = model, cache, ecfg, device
         self.tp = model.tp
         self.proposer = MTPProposer(model, ecfg.num_spec, ecfg.block_size) if ecfg.num_spec > 0 else None
+        self._all_greedy: dict[int, SamplingTensors] = {}
         self.graphs = None
         if plan is not None:
             self.graphs = GraphRunner(model, cache, ecfg, plan, self.proposer, device)
             self.graphs.capture()
+
+    def _sampling(self, params: list[SamplingParams]) -> SamplingTensors:
+        """The step's sampling tensors. An all-greedy batch's depend only on its size (top-k
+        and top-p do not apply to greedy rows): built once per size and reused (1.4 us
+        instead of ~18 per step; nothing writes to them)."""
+        if any(p.temperature != 0 for p in params):
+            return SamplingTensors.from_params(params, self.device)
+        n = len(params)
+        if n not in self._all_greedy:
+            self._all_greedy[n] = SamplingTensors.from_params([SamplingParams()] * n, self.device)
+        return self._all_greedy[n]
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[ReqResult]:
@@ -61,7 +73,7 @@ class ModelRunner:
             last = meta.logits_indices[done]
             logits = self.model.compute_logits(hidden[last])[:, None, :]            # [done, 1, vocab]
             sub = [reqs[i] for i in done]
-            st = SamplingTensors.from_params([r.params for r in sub], self.device)
+            st = self._sampling([r.params for r in sub])
             empty = torch.zeros(len(done), 0, dtype=torch.int64, device=self.device)
             tokens, _ = rejection_sample(logits, empty, torch.zeros(len(done), dtype=torch.int64,
                                                                     device=self.device),
@@ -115,7 +127,7 @@ class ModelRunner:
         drafts = token_ids.view(n, B)[:R, 1:]                                 # [R, k]: d_1..d_k
         limit_list = [min(k, max(r.remaining(self.cfg.max_model_len) - 1, 0)) for r in reqs]
         limit = torch.tensor(limit_list, dtype=torch.int64, device=self.device)
-        st = SamplingTensors.from_params([r.params for r in reqs], self.device)
+        st = self._sampling([r.params for r in reqs])
         tokens, n_emit = rejection_sample(logits, drafts, limit, st, [r.generator for r in reqs])
         if self.tp.size > 1:  # one broadcast for both
             both = self.tp.broadcast(torch.cat([tokens, n_emit[:, None]], dim=1))

@@ -61,15 +61,6 @@ class SamplingTensors:
     @classmethod
     def from_params(cls, params: list[SamplingParams], device) -> "SamplingTensors":
         temps = [p.temperature for p in params]
-        if all(t == 0 for t in temps):  # the common case, the same every step: built once
-            key = (len(params), str(device))
-            if key not in _ALL_GREEDY:
-                _ALL_GREEDY[key] = cls._build([SamplingParams()] * len(params), [0.0] * len(params), device)
-            return _ALL_GREEDY[key]
-        return cls._build(params, temps, device)
-
-    @classmethod
-    def _build(cls, params: list[SamplingParams], temps: list[float], device) -> "SamplingTensors":
         return cls(
             temperature=torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
@@ -77,12 +68,6 @@ class SamplingTensors:
             greedy=torch.tensor([t == 0 for t in temps], dtype=torch.bool, device=device),
             all_greedy=all(t == 0 for t in temps),
         )
-
-
-# All-greedy SamplingTensors by (rows, device), built from default params: top_k and top_p do
-# not apply to greedy rows, so every all-greedy batch of that size has these; nothing writes
-# to them.
-_ALL_GREEDY: dict[tuple[int, str], SamplingTensors] = {}
 
 
 @checked
