@@ -42,6 +42,8 @@ def run_tests() -> bool:
     env = dict(os.environ, MTPKIT_TRITON_TEST_DEVICE="cuda", PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_kernels.py"]
+    if importlib.util.find_spec("xdist") is not None:  # compiling ~150 kernel variants: in parallel
+        cmd += ["-n", str(min(8, os.cpu_count() or 1))]
     print("[tests] " + " ".join(cmd[2:]) + "  (MTPKIT_TRITON_TEST_DEVICE=cuda)", flush=True)
     rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
     print(f"[tests] {'passed' if rc == 0 else f'FAILED (exit {rc})'}", flush=True)
