@@ -1,0 +1,157 @@
+"""Compile mtpkit's Triton kernels for a Hopper GPU (sm_90) on a machine without one (helper
+of test_triton_compile.py, run as a script in a process without TRITON_INTERPRET).
+
+The entry points are called at real layer shapes on CPU tensors with two stand-ins: a kernel
+"launch" records the kernel, its argument types, constexprs and num_warps instead of running,
+and the entry points take the kernel path (not the torch reference) for CPU tensors. Every
+decision they make about a launch (tiles, splits, 16-bit tensor-core products) is the one they
+make on a GPU; the split count is computed for an H200's 132 multiprocessors. Each distinct
+launch is then compiled with `triton.compile` for target cuda sm_90, through Triton's own
+ptxas, and its shared memory is compared with what one sm_90 block may use.
+
+    python tests/hopper_compile.py      # prints one JSON object: {"launches": [...]}
+"""
+
+import inspect
+import json
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from mtpkit.attn import triton_conv, triton_gdn, triton_paged  # noqa: E402
+
+SM90_SHARED = 227 * 1024  # the most shared memory one block may use on sm_90
+H200_SMS = 132
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
+         torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+
+
+def _arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def record(calls) -> list[tuple]:
+    """Run `calls` (thunks calling the entry points) with launches recorded: the distinct
+    (kernel, signature, constexprs, options) they make."""
+    launches: dict[str, tuple] = {}
+
+    def fake_run(self, *args, grid, warmup, **kwargs):
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        bound.apply_defaults()
+        params = inspect.signature(self.fn).parameters
+        sig, const = {}, {}
+        for name, value in bound.arguments.items():
+            if "constexpr" in str(params[name].annotation) or value is None:
+                sig[name], const[name] = "constexpr", value
+            else:
+                sig[name] = _arg_type(value)
+        key = json.dumps([self.fn.__name__, sig, const, options], sort_keys=True)
+        launches[key] = (self, sig, const, options)
+
+    def kernel_path(module, *xs):  # what the entry points decide for CUDA tensors
+        return any(x.dtype == torch.float64 for x in xs)
+
+    saved = (JITFunction.run, triton_paged._sm_count)
+    JITFunction.run = fake_run
+    triton_paged._sm_count = lambda device: H200_SMS
+    patched = [m for m in (triton_conv, triton_gdn, triton_paged) if hasattr(m, "use_reference")]
+    originals = [m.use_reference for m in patched]
+    for m in patched:
+        m.use_reference = kernel_path
+    try:
+        for call in calls:
+            call()
+    finally:
+        JITFunction.run, triton_paged._sm_count = saved
+        for m, orig in zip(patched, originals):
+            m.use_reference = orig
+    return list(launches.values())
+
+
+def compile_sm90(fn: JITFunction, sig: dict, const: dict, options: dict) -> dict:
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                            options=options)
+    return dict(kernel=fn.fn.__name__, constexprs={k: v for k, v in const.items() if v is not None},
+                options=options, shared=kernel.metadata.shared, cubin_bytes=len(kernel.asm["cubin"]))
+
+
+# ---------------------------------------------------------------------------------------
+# the entry points at real layer shapes (Qwen3-Next 80B-A3B; Gemma 4's head_dim 512)
+
+
+def calls(dtype=torch.bfloat16, bundles=(1, 3, 4), prefill=True):
+    hk, hv, dk, dv, C, W = 16, 32, 128, 128, 2 * 16 * 128 + 32 * 128, 4
+    out = []
+    for B in bundles:  # 1 and 3: both query-tile heights (BM 16 and 32)
+        R = 2
+        q, k = torch.zeros(R, B, hk, dk, dtype=dtype), torch.zeros(R, B, hk, dk, dtype=dtype)
+        v, a = torch.zeros(R, B, hv, dv, dtype=dtype), torch.zeros(R, B, hv, dtype=dtype)
+        pool = torch.zeros(1 + R * B, hv, dk, dv)
+        slots, acc = torch.zeros(R, B, dtype=torch.int64), torch.ones(R, dtype=torch.int64)
+        out.append(lambda q=q, k=k, v=v, a=a, pool=pool, slots=slots, acc=acc: triton_gdn.gated_delta_rule_verify(
+            q, k, v, a, a, torch.zeros(hv), torch.zeros(hv), pool, slots, acc))
+        x, conv_pool = torch.zeros(R, B, C, dtype=dtype), torch.zeros(1 + R, C, W - 1 + B - 1, dtype=dtype)
+        out.append(lambda x=x, conv_pool=conv_pool: triton_conv.causal_conv1d_verify(
+            x, torch.zeros(C, W, dtype=dtype), conv_pool, torch.zeros(R, dtype=torch.int64),
+            torch.ones(R, dtype=torch.int64)))
+        for H, KVH, D, ctx, window, cap in ((16, 2, 256, 4096, None, None), (16, 2, 512, 4096, None, None),
+                                             (16, 8, 256, 1024, 512, 30.0)):
+            nb = ctx // 16
+            kc = torch.zeros(1 + R * nb, 16, KVH, D, dtype=dtype)
+            qa = torch.zeros(R, B, H, D, dtype=dtype)
+            out.append(lambda qa=qa, kc=kc, nb=nb, ctx=ctx, D=D, window=window, cap=cap:
+                       triton_paged.paged_attention_verify(
+                           qa, kc, kc, torch.full((R,), ctx, dtype=torch.int64),
+                           torch.zeros(R, nb, dtype=torch.int64), D ** -0.5, window, cap, ctx))
+    if not prefill:
+        return out
+    T, R = 64, 2
+    qsl = torch.tensor([0, 32, 64])
+    out.append(lambda: triton_gdn.gated_delta_rule_prefill(
+        torch.zeros(T, hk, dk, dtype=dtype), torch.zeros(T, hk, dk, dtype=dtype), torch.zeros(T, hv, dv, dtype=dtype),
+        torch.zeros(T, hv, dtype=dtype), torch.zeros(T, hv, dtype=dtype), torch.zeros(hv), torch.zeros(hv),
+        torch.zeros(1 + R, hv, dk, dv), qsl, torch.tensor([1, 2]), torch.tensor([1, 2]),
+        torch.zeros(R, dtype=torch.bool)))
+    out.append(lambda: triton_conv.causal_conv1d_prefill(
+        torch.zeros(T, C, dtype=dtype), torch.zeros(C, W, dtype=dtype), torch.zeros(1 + R, C, W - 1 + 3, dtype=dtype),
+        qsl, torch.tensor([1, 2]), torch.ones(R, dtype=torch.bool)))
+    for D, q_len in ((256, 32), (256, 2048), (512, 32)):
+        kc = torch.zeros(1 + 256, 16, 2, D, dtype=dtype)
+        out.append(lambda kc=kc, D=D, q_len=q_len: triton_paged.paged_attention_prefill(
+            torch.zeros(2 * q_len, 16, D, dtype=dtype), kc, kc, torch.tensor([0, q_len, 2 * q_len]),
+            torch.tensor([q_len, q_len]), torch.zeros(2, 128, dtype=torch.int64), D ** -0.5))
+    return out
+
+
+def main() -> int:
+    # 16-bit models use the tensor-core path; fp32 the IEEE fp32 products (larger tiles in shared memory)
+    launches = record(calls(torch.bfloat16) + calls(torch.float32, bundles=(4,), prefill=False))
+    results = []
+    for fn, sig, const, options in launches:
+        try:
+            results.append(compile_sm90(fn, sig, const, options))
+        except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
+            results.append(dict(kernel=fn.fn.__name__, constexprs={k: v for k, v in const.items() if v is not None},
+                                options=options, error=f"{type(e).__name__}: {str(e)[-2000:]}"))
+    print(json.dumps({"launches": results, "sm90_shared": SM90_SHARED}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
