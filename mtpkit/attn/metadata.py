@@ -66,6 +66,10 @@ class UniformMetadata:
     num_reqs_padded: int
     bundle: int                                        # query tokens per row
     max_seq_len: int
+    # The KV-cache slot of every position 0..ctx_len-1 of each row, or None: computed from the
+    # block table. An MTP proposal computes it once for all its passes (spec.mtp); the torch
+    # attention then gathers through it (the Triton kernel walks the block table either way).
+    kv_slots: Int[Tensor, "num_reqs_padded ctx_len"] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -46,13 +46,28 @@ def _gather_kv(k_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"]
     request's seq_len read its last real position instead (any value would do: attention
     masks them), so the gather never touches storage the request does not own, which may
     hold anything (even NaN: 0 * NaN would leak through the softmax product)."""
-    block_size = k_cache.shape[1]
-    pos = torch.minimum(torch.arange(ctx_len, device=block_table.device), (seq_lens - 1)[:, None])  # [R, ctx]
-    slots = (block_table.gather(1, pos // block_size) * block_size + pos % block_size).view(-1)
+    return _gather_slots(k_cache, v_cache, context_slots(block_table, seq_lens - 1, k_cache.shape[1], ctx_len))
+
+
+def context_slots(block_table: Int[Tensor, "num_reqs max_blocks"], last_pos: Int[Tensor, "num_reqs"],
+                  block_size: int, ctx_len: int) -> Int[Tensor, "num_reqs ctx_len"]:
+    """The cache slot of positions 0..ctx_len-1 of every request, positions past last_pos
+    reading last_pos's slot (storage the request owns; attention masks them). Not checked
+    itself (every attention call makes one): its callers at the boundaries are."""
+    pos = torch.minimum(torch.arange(ctx_len, device=block_table.device), last_pos[:, None])  # [R, ctx]
+    return block_table.gather(1, pos // block_size) * block_size + pos % block_size
+
+
+def _gather_slots(k_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
+                  v_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
+                  slots: Int[Tensor, "num_reqs ctx_len"]
+                  ) -> tuple[Float[Tensor, "num_reqs ctx_len kv_heads head_dim"],
+                             Float[Tensor, "num_reqs ctx_len kv_heads head_dim"]]:
+    flat = slots.view(-1)
     # One flat gather (index_select) instead of 2-D advanced indexing: cheaper per call.
-    kk = k_cache.reshape(-1, *k_cache.shape[2:]).index_select(0, slots)
-    vv = v_cache.reshape(-1, *v_cache.shape[2:]).index_select(0, slots)
-    shape = (block_table.shape[0], ctx_len) + tuple(k_cache.shape[2:])
+    kk = k_cache.reshape(-1, *k_cache.shape[2:]).index_select(0, flat)
+    vv = v_cache.reshape(-1, *v_cache.shape[2:]).index_select(0, flat)
+    shape = tuple(slots.shape) + tuple(k_cache.shape[2:])
     return kk.view(shape), vv.view(shape)
 
 
@@ -126,16 +141,22 @@ def paged_attention_verify(
     sliding_window: int | None = None,
     softcap: float | None = None,
     max_seq_len: int | None = None,
+    kv_slots: Int[Tensor, "num_reqs_padded ctx_len"] | None = None,
 ) -> Float[Tensor, "num_reqs_padded bundle heads head_dim"]:
     """A uniform verify/decode step, batched over requests: every request's bundle tokens
     are its last positions seq_lens[i] - bundle .. seq_lens[i] - 1. K/V are gathered up to
     max(seq_lens) and masked per row by seq_len and causality. Padded rows (block-table
     row of zeros, seq_len = bundle) read the null block and stay finite. Requires
     seq_lens >= bundle, so every query sees at least itself. `max_seq_len` (an upper bound
-    of seq_lens, known on the host) avoids a device sync; graphs pass the largest possible."""
+    of seq_lens, known on the host) avoids a device sync; graphs pass the largest possible.
+    `kv_slots` (`context_slots` of the rows, computed once for several calls): K/V are
+    gathered through it instead, over its ctx_len (which must cover seq_lens)."""
     bundle = q.shape[1]
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
-    kk, vv = _gather_kv(k_cache, v_cache, block_table, seq_lens, max_seq_len)
+    if kv_slots is not None:
+        kk, vv = _gather_slots(k_cache, v_cache, kv_slots)
+    else:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
+        kk, vv = _gather_kv(k_cache, v_cache, block_table, seq_lens, max_seq_len)
     q_pos = seq_lens[:, None] - bundle + torch.arange(bundle, device=q.device)
     return _attend(q, kk, vv, q_pos, scale, sliding_window, softcap)

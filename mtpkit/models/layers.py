@@ -169,6 +169,20 @@ class RMSNorm(nn.Module):
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
+def rms_norm_heads(x: Tensor, norms: list[tuple[RMSNorm, int]]) -> Tensor:
+    """Several zero-centred RMSNorms over consecutive head groups of x [..., heads, head_dim]
+    (norms: (norm, its head count) in order) as one normalisation and one product with the
+    stacked scales: the same values as norming each group and concatenating (bit for bit on
+    CPU: rms_norm with a weight multiplies by it last), with two ops instead of one per group
+    plus the slices and the cat. The scales are constants in a traced graph."""
+    if len({n.eps for n, _ in norms}) > 1:
+        raise ValueError("rms_norm_heads: the norms' eps differ")
+    xf = _float(x)
+    scale = torch.cat([n.scale(xf.dtype).expand(h, x.shape[-1]) for n, h in norms])
+    y = F.rms_norm(xf, (x.shape[-1],), None, norms[0][0].eps) * scale
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
 class GatedRMSNorm(nn.Module):
     """GDN output norm: rmsnorm(x) * w * silu(z), plain weight (initialised to 1)."""
 

@@ -15,7 +15,7 @@ from ..engine.cache import CacheTensors
 from ..errors import ConfigError
 from ..parallel import TP
 from ..shapes import Float, Int, Tensor, checked
-from .layers import (MLP, GatedRMSNorm, Linear, MergedColumnParallelLinear, PartialRoPE, RMSNorm,
+from .layers import (MLP, GatedRMSNorm, Linear, MergedColumnParallelLinear, PartialRoPE, RMSNorm, rms_norm_heads,
                      RowParallelLinear, vocab_parallel_embedding, vocab_parallel_logits)
 from .moe import SparseMoE
 from .weights import shard_range
@@ -111,7 +111,7 @@ class FullAttention(nn.Module):
         qk_raw = h[:, :(hq + hkv) * hd].view(-1, hq + hkv, hd)
         gate = h[:, (hq + hkv) * hd:(2 * hq + hkv) * hd]
         v = h[:, (2 * hq + hkv) * hd:].view(-1, hkv, hd)
-        qk = torch.cat([self.q_norm(qk_raw[:, :hq]), self.k_norm(qk_raw[:, hq:])], dim=1)
+        qk = rms_norm_heads(qk_raw, [(self.q_norm, hq), (self.k_norm, hkv)])
         qk = self.rope(positions, qk)
         k_cache, v_cache = cache.kv[self.kv_index]
         self.ops.write_kv(qk[:, hq:], v, k_cache, v_cache, meta.slot_mapping)
@@ -128,7 +128,7 @@ class FullAttention(nn.Module):
             R, B = meta.num_reqs_padded, meta.bundle
             o = self.ops.paged_attention_verify(q.view(R, B, hq, hd), k_cache, v_cache,
                                                 meta.seq_lens, meta.block_table, self.scale,
-                                                max_seq_len=meta.max_seq_len)
+                                                max_seq_len=meta.max_seq_len, kv_slots=meta.kv_slots)
         o = o.reshape(-1, hq * hd) * torch.sigmoid(gate)
         return self.o_proj(o)
 

@@ -13,30 +13,46 @@ whole proposal can be captured in a CUDA graph.
 import torch
 
 from ..attn.metadata import PrefillMetadata, UniformMetadata
+from ..attn.paged import context_slots
 from ..engine.cache import CacheTensors
 from ..models.qwen3_next import Qwen3NextForCausalLM
 from ..shapes import Float, Int, Tensor, checked
 
 
 @checked
-def draft_pass_metadata(
+def proposal_kv_slots(
     block_table: Int[Tensor, "num_reqs_padded max_blocks"],
-    positions: Int[Tensor, "num_reqs_padded"],
+    pos: Int[Tensor, "num_reqs_padded"],
+    num_spec: int,
     block_size: int,
     max_seq_len: int,
+) -> Int[Tensor, "num_reqs_padded ctx_len"]:
+    """The KV slot of every position the passes of one proposal attend to, computed once for
+    all of them: pass j (1-based) queries position pos + j - 1, so the context is
+    max_seq_len + num_spec (capped by the block table) and positions past pos + num_spec - 1,
+    the last one a pass writes, read that one's slot (storage the request owns: masked)."""
+    ctx = min(max_seq_len + num_spec, block_table.shape[1] * block_size)
+    return context_slots(block_table, pos + (num_spec - 1), block_size, ctx)
+
+
+@checked
+def draft_pass_metadata(
+    kv_slots: Int[Tensor, "num_reqs_padded ctx_len"],
+    block_table: Int[Tensor, "num_reqs_padded max_blocks"],
+    positions: Int[Tensor, "num_reqs_padded"],
 ) -> UniformMetadata:
-    """Metadata of an MTP draft pass: one token per row at `positions` (built on the device).
-    Padded rows sit at position 0 of the null block."""
+    """Metadata of an MTP pass: one token per row at `positions`, K/V gathered through the
+    proposal's `kv_slots` (built on the device). Padded rows sit in the null block."""
     R = positions.shape[0]
-    blocks = block_table.gather(1, (positions // block_size)[:, None])[:, 0]
     return UniformMetadata(
         seq_lens=positions + 1,
         block_table=block_table,
-        slot_mapping=blocks * block_size + positions % block_size,
+        slot_mapping=kv_slots.gather(1, positions[:, None])[:, 0],
         state_slots=torch.zeros(R, 1, dtype=torch.int64, device=positions.device),
         num_accepted=torch.ones(R, dtype=torch.int64, device=positions.device),
         num_reqs=R, num_reqs_padded=R, bundle=1,
-        max_seq_len=min(max_seq_len, block_table.shape[1] * block_size),
+        max_seq_len=kv_slots.shape[1],
+        kv_slots=kv_slots,
     )
 
 
@@ -76,8 +92,10 @@ class MTPProposer:
     ) -> Int[Tensor, "num_reqs_padded num_spec"]:
         """Drafts for the rows whose last accepted token sits at hidden[last_idx[i]];
         `block_table[i]` is that row's block table (for the later passes)."""
-        h, draft, pos = self.first_pass(hidden, next_tokens, positions, meta, cache, last_idx, block_table)
-        return self.draft_passes(h, draft, pos, block_table, meta.max_seq_len, cache)
+        kv_slots = proposal_kv_slots(block_table, positions[last_idx], self.num_spec, self.block_size,
+                                     meta.max_seq_len)
+        h, draft, pos = self.first_pass(hidden, next_tokens, positions, meta, cache, last_idx, block_table, kv_slots)
+        return self.draft_passes(h, draft, pos, block_table, meta.max_seq_len, cache, kv_slots)
 
     @checked
     def first_pass(
@@ -89,12 +107,16 @@ class MTPProposer:
         cache: CacheTensors,
         last_idx: Int[Tensor, "num_reqs_padded"],
         block_table: Int[Tensor, "num_reqs_padded max_blocks"],
+        kv_slots: Int[Tensor, "num_reqs_padded ctx_len"] | None = None,
     ) -> tuple[Float[Tensor, "num_reqs_padded hidden"], Int[Tensor, "num_reqs_padded"], Int[Tensor, "num_reqs_padded"]]:
-        """Pass 1: (its output hidden, draft 1, position) at each row's last accepted token."""
+        """Pass 1: (its output hidden, draft 1, position) at each row's last accepted token.
+        `kv_slots`: the proposal's (proposal_kv_slots), computed here when not given."""
         pos = positions[last_idx]
+        if kv_slots is None:
+            kv_slots = proposal_kv_slots(block_table, pos, self.num_spec, self.block_size, meta.max_seq_len)
         # Pass 1 writes the MTP layer's K/V at every position; only the last accepted one's
         # output is needed (one query per row, like the draft passes).
-        first = draft_pass_metadata(block_table, pos, self.block_size, meta.max_seq_len)
+        first = draft_pass_metadata(kv_slots, block_table, pos)
         h = self.model.mtp_forward_rows(next_tokens, positions, hidden, meta, cache, last_idx, first)
         return h, self.model.compute_logits(h).argmax(-1), pos
 
@@ -107,13 +129,17 @@ class MTPProposer:
         block_table: Int[Tensor, "num_reqs_padded max_blocks"],
         max_seq_len: int,
         cache: CacheTensors,
+        kv_slots: Int[Tensor, "num_reqs_padded ctx_len"] | None = None,
     ) -> Int[Tensor, "num_reqs_padded num_spec"]:
         """Passes 2..num_spec after pass 1, whose output hidden `h` and draft `draft` sit at
         position `pos` of each row; one token per row and pass, shapes fixed by the row count
-        (so a prefill's draft passes can run as a captured graph too)."""
+        (so a prefill's draft passes can run as a captured graph too). `kv_slots`: the
+        proposal's (proposal_kv_slots with this max_seq_len), computed here when not given."""
         model, drafts = self.model, [draft]
+        if kv_slots is None and self.num_spec > 1:
+            kv_slots = proposal_kv_slots(block_table, pos, self.num_spec, self.block_size, max_seq_len)
         for j in range(1, self.num_spec):
-            meta_j = draft_pass_metadata(block_table, pos + j, self.block_size, max_seq_len + self.num_spec)
+            meta_j = draft_pass_metadata(kv_slots, block_table, pos + j)
             h = model.mtp_forward(draft, pos + j, h, meta_j, cache, step=j)
             draft = model.compute_logits(h).argmax(-1)
             drafts.append(draft)
