@@ -494,6 +494,11 @@ class TrainArgs:
     train_part: str = "all"          # "all" | "mtp"
     distill: float = 0.0
     mtp_keys: str = "own"            # "own" | "inference" (see forward_losses)
+    # Third stage: this share of each batch is drawn from the init checkpoint's own greedy
+    # continuations of training-split prompts (see generate_continuations), made once.
+    generated_fraction: float = 0.0
+    generated_prompts: int = 2000
+    generated_tokens: int = 200
 
 
 def init_from_checkpoint(model: Qwen3NextForCausalLM, path: Path, kwargs: dict) -> None:
@@ -591,6 +596,37 @@ def evaluate(model: Qwen3NextForCausalLM, windows: Int[Tensor, "num_reqs seq_len
     return {**{k: v / n for k, v in sums.items()}, "mtp1_agree": agree / n_agree, "tokens": n}
 
 
+def generate_continuations(model_dir: Path, n: int, prompt_len: int, new_tokens: int, seed: int,
+                           log=print) -> Int[Tensor, "num_reqs seq_len"]:
+    """[n, prompt_len + new_tokens]: line-aligned training-split prompts (half of them at
+    column-0 lines, as in training) followed by the checkpoint's greedy continuation. At
+    inference the MTP passes read text the target wrote itself; its greedy continuations are
+    that distribution (the engine decodes them with MTP, which is lossless)."""
+    from .llm import LLM
+    from .spec.sampling import SamplingParams
+
+    data = load_split("train")
+    g = torch.Generator().manual_seed(seed + 777)
+    starts = line_starts(data, prompt_len)
+    windows = sample_batch(data, n, prompt_len - 2, g, starts, line_starts(data, prompt_len, top_level=True), 0.5)
+    prompts = windows.tolist()
+    llm = LLM(model_dir, num_spec=3, max_num_seqs=32, dtype="float32", device="cpu",
+              max_model_len=prompt_len + new_tokens + 8)
+    t = time.time()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    log(f"generated {n} x {new_tokens} tokens in {time.time() - t:.0f} s "
+        f"(MTP acceptance {llm.stats.mean_acceptance_length:.2f})")
+    return torch.tensor([p + o.token_ids for p, o in zip(prompts, outs)], dtype=torch.int16)
+
+
+def sample_generated(seqs: Int[Tensor, "num_seqs total_len"], B: int, T: int, g: torch.Generator
+                     ) -> Int[Tensor, "num_reqs seq_len"]:
+    """B windows of T + 2 tokens at random offsets of random generated sequences."""
+    rows = torch.randint(0, seqs.shape[0], (B,), generator=g)
+    offsets = torch.randint(0, seqs.shape[1] - (T + 2) + 1, (B,), generator=g)
+    return torch.stack([seqs[r, o:o + T + 2] for r, o in zip(rows.tolist(), offsets.tolist())]).long()
+
+
 def heldout_windows(n: int, T: int, seed: int) -> torch.Tensor:
     data = load_split("heldout")
     return sample_batch(data, n, T, torch.Generator().manual_seed(seed + 12345))
@@ -623,6 +659,21 @@ def train(a: TrainArgs, log=print) -> Qwen3NextForCausalLM:
     if a.init_from:
         init_from_checkpoint(model, Path(a.init_from), kwargs)
     set_trainable(model, a.train_part)
+    generated, n_gen = None, round(a.batch * a.generated_fraction)
+    if n_gen:
+        if not (a.init_from and a.train_part == "mtp"):
+            raise SystemExit("--generated-fraction needs --init-from and --train-part mtp: the data are "
+                             "that checkpoint's own continuations, valid while its target stays frozen")
+        gen_path = work / "generated.pt"
+        if gen_path.exists():
+            generated = torch.load(gen_path)
+        else:
+            generated = generate_continuations(Path(a.init_from), a.generated_prompts, 64, a.generated_tokens,
+                                               a.seed, log)
+            torch.save(generated, gen_path)
+        if generated.shape[1] < a.seq_len + 2:
+            raise SystemExit(f"generated sequences of {generated.shape[1]} tokens are shorter than "
+                             f"--seq-len + 2 = {a.seq_len + 2}; raise --generated-tokens")
     opt = make_optimizer(model, a)
     g = torch.Generator().manual_seed(a.seed)
     step, elapsed_before = 0, 0.0
@@ -654,6 +705,8 @@ def train(a: TrainArgs, log=print) -> Qwen3NextForCausalLM:
         for group in opt.param_groups:
             group["lr"] = lr
         batch = sample_batch(data, a.batch, a.seq_len, g, starts, top_starts, a.top_level_fraction)
+        if generated is not None:  # the last n_gen windows from the generated continuations
+            batch[a.batch - n_gen:] = sample_generated(generated, n_gen, a.seq_len, g)
         out = forward_losses(model, batch, mtp_depth, a.train_part == "mtp", a.distill, a.mtp_keys)
         loss = (out["ntp"] if a.train_part == "all" else 0.0) + sum(w * l for w, l in zip(a.mtp_weights, out["mtp"]))
         bal, max_load = probe.loss() if probe is not None else (torch.zeros(()), 0.0)
@@ -781,6 +834,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="weight of the target's next-token distribution in each MTP pass's loss (0..1)")
     p.add_argument("--mtp-keys", choices=["own", "inference"], default=d.mtp_keys,
                    help="what MTP passes 2.. attend to: their own K/V, or the keys the engine's passes read")
+    p.add_argument("--generated-fraction", type=float, default=d.generated_fraction,
+                   help="share of each batch drawn from the --init-from checkpoint's own greedy "
+                        "continuations (made once into --work-dir/generated.pt; needs --train-part mtp)")
+    p.add_argument("--generated-prompts", type=int, default=d.generated_prompts)
+    p.add_argument("--generated-tokens", type=int, default=d.generated_tokens)
     p.add_argument("--bench", nargs="*", metavar="SIZE",
                    help="only measure training throughput of these sizes (all when none given)")
     p.add_argument("--export-only", action="store_true",
@@ -794,7 +852,9 @@ def main(argv: list[str] | None = None) -> None:
                   save_every=args.save_every, eval_every=args.eval_every, export_every=args.export_every,
                   dtype=args.dtype, line_aligned=args.line_aligned,
                   top_level_fraction=args.top_level_fraction, init_from=args.init_from,
-                  train_part=args.train_part, distill=args.distill, mtp_keys=args.mtp_keys)
+                  train_part=args.train_part, distill=args.distill, mtp_keys=args.mtp_keys,
+                  generated_fraction=args.generated_fraction, generated_prompts=args.generated_prompts,
+                  generated_tokens=args.generated_tokens)
     def log(s: str) -> None:
         print(s, flush=True)
 
@@ -808,7 +868,8 @@ def main(argv: list[str] | None = None) -> None:
         import tempfile
         root = Path(tempfile.mkdtemp(prefix="mtpkit-train-quick-"))
         a = dataclasses.replace(a, steps=12, warmup=4, save_every=5, eval_every=6, export_every=6,
-                                eval_windows=4, work_dir=str(root / "work"), out_dir=str(root / "out"))
+                                eval_windows=4, work_dir=str(root / "work"), out_dir=str(root / "out"),
+                                generated_prompts=min(a.generated_prompts, 8))
     train(a, log=log)
 
 

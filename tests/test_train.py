@@ -93,3 +93,30 @@ def test_inference_keyed_pass_equals_the_engine_pass_when_it_is_the_first():
     assert mask[5, 0].nonzero().flatten().tolist() == [0, 1, 2, 3]
     assert mask[5, 1].nonzero().flatten().tolist() == [4] and mask[5, 2].nonzero().flatten().tolist() == [5]
     assert all(mask[t, 2, t] for t in range(8))  # every query sees its own key (t < j too)
+
+
+def test_generated_continuations_are_the_targets_greedy_output():
+    """Stage 3's data: training-split prompts, each followed by the checkpoint's greedy
+    continuation (made with MTP, which must not change it: checked against num_spec 0)."""
+    from mtpkit import LLM, SamplingParams
+    from mtpkit.train import generate_continuations, sample_generated
+
+    path = resolve_model("tiny-qwen3-next")
+    seqs = generate_continuations(path, n=3, prompt_len=16, new_tokens=10, seed=0, log=lambda s: None)
+    assert seqs.shape == (3, 26)
+    plain = LLM(path, num_spec=0, dtype="float32", enforce_eager=True)
+    prompts = seqs[:, :16].tolist()
+    outs = plain.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert [o.token_ids for o in outs] == seqs[:, 16:].tolist()
+    windows = sample_generated(seqs, B=5, T=6, g=torch.Generator().manual_seed(0))
+    assert windows.shape == (5, 8)
+    for w in windows.tolist():  # each window is a contiguous piece of one sequence
+        assert any(w == s[o:o + 8] for s in seqs.tolist() for o in range(26 - 8 + 1))
+
+
+def test_generated_data_needs_a_frozen_target(tmp_path):
+    import pytest
+
+    a = TrainArgs(steps=1, generated_fraction=0.5, work_dir=str(tmp_path / "w"), out_dir=str(tmp_path / "o"))
+    with pytest.raises(SystemExit, match="needs --init-from and --train-part mtp"):
+        train(a, log=lambda s: None)
