@@ -447,10 +447,10 @@ def _mtp_pass_inference_keys(model: Qwen3NextForCausalLM, tokens: Int[Tensor, "n
     reads the keys the engine's pass j+1 reads (`inference_key_mask`): earlier passes' K/V,
     not this pass's own at every position. Writes this pass's K/V to cache_j."""
     mtp = model.mtp
-    x = mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(model.embed(tokens)), mtp.pre_fc_norm_hidden(h_in)], -1))
+    x = mtp._input(model.embed(tokens), h_in)
     layer = mtp.layers[j % len(mtp.layers)]
     attn = layer.self_attn
-    q, gate = attn._project(layer.input_layernorm(x), positions, meta, cache_j)   # q [B*T, heads, D]
+    q, gate = attn._project(layer.input_layernorm(x), positions, meta.slot_mapping, cache_j)   # q [B*T, heads, D]
     n_full = len(model.cfg.full_layers)
     k_all = torch.cat([kv[0] for kv in pass_kv] + [cache_j.kv[n_full][0][1:B + 1]], dim=1)   # [B, (j+1) T, kvh, D]
     v_all = torch.cat([kv[1] for kv in pass_kv] + [cache_j.kv[n_full][1][1:B + 1]], dim=1)

@@ -62,10 +62,11 @@ def test_graph_path_equals_eager(ckdir, k, n, padded, trace_after):
     # debug mode calls the bodies on every step (each step's shapes checked): nothing traced
     assert bool(traced) == (trace_after is not None and not is_debug()), traced
     assert all(isinstance(key, tuple) and key[1] >= 64 for key in traced)
-    # The draft passes after a prefill (num_spec >= 2) run traced too, padded like a decode step.
-    drafts = list(llm.runner.graphs.draft_graphs)
-    assert bool(drafts) == (trace_after == 0 and k >= 2 and not is_debug()), drafts
-    assert all(key[0] in llm.capture_plan.sizes for key in drafts)
+    # The MTP proposal after a prefill runs traced too: tokens padded to a power of two (>= 16),
+    # rows padded like a decode step.
+    proposals = list(llm.runner.graphs.prefill_graphs)
+    assert bool(proposals) == (trace_after == 0 and k >= 1 and not is_debug()), proposals
+    assert all(t >= 16 and t & (t - 1) == 0 and n in llm.capture_plan.sizes for t, n, _ in proposals)
     verify = [s for s in steps if s[0] == "verify"]
     assert (n, padded) in [(r, p) for _, r, p in verify], "the step count needing padding must occur"
     assert all(p == llm.capture_plan.dispatch(r) for _, r, p in verify)
@@ -84,7 +85,7 @@ def test_failed_trace_falls_back_to_direct_calls(ckdir, monkeypatch):
     with pytest.warns(RuntimeWarning, match="tracing a CPU decode graph failed.*no tracer here"):
         graph, llm, _ = _run(path, prompts, num_spec=2, max_num_seqs=8)
     g = llm.runner.graphs
-    assert graph == eager and not g.trace and not g.verify_graphs and not g.draft_graphs
+    assert graph == eager and not g.trace and not g.verify_graphs and not g.prefill_graphs
 
 
 def test_large_steps_keep_a_fixed_shape_moe_path(ckdir, monkeypatch):

@@ -103,12 +103,12 @@ class ModelRunner:
         return results
 
     def _prefill_drafts(self, hidden, next_tokens, positions, meta, last, block_table):
-        """MTP pass 1 over the prefilled positions (eager: its shape is the prompt's), then the
-        draft passes, one token per row: through the graph runner when there is one."""
+        """The MTP proposal after a prefill: through the graph runner when there is one."""
         if self.graphs is None:
-            return self.proposer.propose(hidden, next_tokens, positions, meta, self.cache, last, block_table)
-        h, draft, pos = self.proposer.first_pass(hidden, next_tokens, positions, meta, self.cache, last, block_table)
-        return self.graphs.draft_passes(h, draft, pos, block_table, meta.max_seq_len)
+            return self.proposer.propose(hidden, next_tokens, positions, meta.slot_mapping, meta.max_seq_len,
+                                         self.cache, last, block_table)
+        return self.graphs.prefill_proposal(hidden, next_tokens, positions, meta.slot_mapping, meta.max_seq_len,
+                                            last, block_table)
 
     # ---- verify -----------------------------------------------------------------------
     def _verify(self, plan: StepPlan) -> list[ReqResult]:
@@ -139,7 +139,7 @@ class ModelRunner:
                 drafts_out = self.graphs.propose(tokens, n_emit)
             else:  # eager: n == R
                 next_tokens, last = pass1_inputs(token_ids.view(n, B), tokens, n_emit)
-                drafts_out = self.proposer.propose(hidden, next_tokens, positions, meta, self.cache, last,
-                                                   meta.block_table)
+                drafts_out = self.proposer.propose(hidden, next_tokens, positions, meta.slot_mapping,
+                                                   meta.max_seq_len, self.cache, last, meta.block_table)
             new_drafts = self.tp.broadcast(drafts_out[:R].contiguous()).tolist()
         return [ReqResult(tok_list[i][:n_list[i]], n_list[i], limit_list[i], new_drafts[i]) for i in range(R)]

@@ -41,6 +41,9 @@ MIN_CPU_CONTEXT = 64  # smallest context bucket of a CPU graph
 # (verify + propose), which a traced step repays at ~1.5 ms: a short generation stays on
 # direct calls, a shape used this often is likely to go on being used. 0 traces at once.
 CPU_TRACE_AFTER = 32
+# Longer prefills propose by direct calls: their first MTP pass is mostly arithmetic over the
+# prompt, which a trace does not speed up, and each token bucket would be another trace.
+MAX_TRACED_PREFILL = 512
 
 
 @dataclasses.dataclass
@@ -105,8 +108,8 @@ class GraphRunner:
         self._key = None                  # the graph the last `verify` replayed
         self._n = 0                       # and its num_reqs_padded
         self._uses: dict = {}             # CPU: replays of each (n, context) so far
-        self.draft_graphs: dict = {}      # CPU: (n, context) -> traced draft passes after a prefill
-        self._draft_uses: dict = {}
+        self.prefill_graphs: dict = {}    # CPU: (tokens, n, context) -> traced MTP proposal after a prefill
+        self._prefill_uses: dict = {}
 
     # ---- the captured bodies --------------------------------------------------------------
     def _meta(self, slot_mapping, seq_lens, block_table, state_slots, num_accepted, max_seq_len) -> UniformMetadata:
@@ -135,17 +138,17 @@ class GraphRunner:
     def _propose_fn(self, max_seq_len: int):
         def propose(hidden, emitted, num_emitted, token_ids, positions, slot_mapping, seq_lens, block_table,
                     state_slots, num_accepted, *cache):
-            meta = self._meta(slot_mapping, seq_lens, block_table, state_slots, num_accepted, max_seq_len)
             n = num_emitted.shape[0]
             next_tokens, last_idx = pass1_inputs(token_ids.view(n, -1), emitted.view(n, -1), num_emitted)
-            return self.proposer.propose(hidden, next_tokens, positions, meta, self._cache_from(cache), last_idx,
-                                         block_table)
+            return self.proposer.propose(hidden, next_tokens, positions, slot_mapping, max_seq_len,
+                                         self._cache_from(cache), last_idx, block_table)
         return propose
 
-    def _drafts_fn(self, max_seq_len: int):
-        def drafts(h, draft, pos, block_table, *cache):
-            return self.proposer.draft_passes(h, draft, pos, block_table, max_seq_len, self._cache_from(cache))
-        return drafts
+    def _prefill_fn(self, max_seq_len: int):
+        def prefill_proposal(hidden, next_tokens, positions, slot_mapping, last, block_table, *cache):
+            return self.proposer.propose(hidden, next_tokens, positions, slot_mapping, max_seq_len,
+                                         self._cache_from(cache), last, block_table)
+        return prefill_proposal
 
     def _verify_args(self, n: int) -> tuple[Tensor, ...]:
         return self.buf.inputs(n, self.bundle) + self._cache_args()
@@ -292,34 +295,40 @@ class GraphRunner:
         return self._propose_fn(self._key[2])(*args)[:R]
 
     @checked
-    def draft_passes(self, h: Float[Tensor, "num_reqs hidden"], draft: Int[Tensor, "num_reqs"],
-                     pos: Int[Tensor, "num_reqs"], block_table: Int[Tensor, "num_reqs max_blocks"],
-                     max_seq_len: int) -> Int[Tensor, "num_reqs num_spec"]:
-        """The draft passes after a prefill's pass 1 (MTPProposer.draft_passes) for the
-        prefills that finished. On CPU, traced like a decode step: rows padded to a graph size
-        with inert rows (null block, position 0), keyed by (size, context bucket); elsewhere
-        (CUDA, where prefill runs eager; TP; debug) called directly."""
-        R = h.shape[0]
-        if not self.trace or is_debug() or R > self.plan.max_num_seqs or self.proposer.num_spec == 1:
-            return self.proposer.draft_passes(h, draft, pos, block_table, max_seq_len, self.cache)
-        n, context = self.plan.dispatch(R), self.context_bucket(max_seq_len)
-        key = (n, context)
-        uses = self._draft_uses[key] = self._draft_uses.get(key, 0) + 1
-        fn = self.draft_graphs.get(key)
+    def prefill_proposal(self, hidden: Float[Tensor, "num_tokens hidden"], next_tokens: Int[Tensor, "num_tokens"],
+                         positions: Int[Tensor, "num_tokens"], slot_mapping: Int[Tensor, "num_tokens"],
+                         max_seq_len: int, last: Int[Tensor, "num_reqs"],
+                         block_table: Int[Tensor, "num_reqs max_blocks"]) -> Int[Tensor, "num_reqs num_spec"]:
+        """The MTP proposal after a prefill step (MTPProposer.propose) for the prefills that
+        finished (`last`: their last tokens). On CPU, traced like a decode step: tokens padded
+        to a power of two (at least 16; padding tokens write the null slot) and rows to a graph
+        size (inert rows: null block), keyed by (tokens, rows, context bucket). Elsewhere (CUDA,
+        where prefill runs eager; TP; debug; more tokens than MAX_TRACED_PREFILL) called
+        directly."""
+        T, R = hidden.shape[0], last.shape[0]
+        if (not self.trace or is_debug() or R > self.plan.max_num_seqs or T > MAX_TRACED_PREFILL):
+            return self.proposer.propose(hidden, next_tokens, positions, slot_mapping, max_seq_len, self.cache,
+                                         last, block_table)
+        t, n, context = max(16, 1 << (T - 1).bit_length()), self.plan.dispatch(R), self.context_bucket(max_seq_len)
+        key = (t, n, context)
+        uses = self._prefill_uses[key] = self._prefill_uses.get(key, 0) + 1
+        fn = self.prefill_graphs.get(key)
+
+        def pad(x, size):
+            return x if x.shape[0] == size else torch.cat([x, x.new_zeros((size - x.shape[0],) + tuple(x.shape[1:]))])
         if fn is None and uses > self.trace_after:
-            inert = (h.new_zeros(n, h.shape[1]), draft.new_zeros(n), pos.new_zeros(n),
-                     block_table.new_zeros(n, block_table.shape[1]))
+            inert = (hidden.new_zeros(t, hidden.shape[1]),) + tuple(positions.new_zeros(t) for _ in range(3)) + (
+                last.new_zeros(n), block_table.new_zeros(n, block_table.shape[1]))
             try:
-                fn = self.draft_graphs[key] = self._trace(self._drafts_fn(context), inert + self._cache_args(),
-                                                          f"drafts_{n}_{context}")
+                fn = self.prefill_graphs[key] = self._trace(self._prefill_fn(context), inert + self._cache_args(),
+                                                            f"prefill_proposal_{t}_{n}_{context}")
             except Exception as e:  # noqa: BLE001 - the direct call below needs no tracer
                 self._trace_failed(e)
         if fn is None:
-            return self.proposer.draft_passes(h, draft, pos, block_table, max_seq_len, self.cache)
-
-        def pad(x):
-            return x if n == R else torch.cat([x, x.new_zeros((n - R,) + tuple(x.shape[1:]))])
-        return fn(pad(h), pad(draft), pad(pos), pad(block_table), *self._cache_args())[:R]
+            return self.proposer.propose(hidden, next_tokens, positions, slot_mapping, max_seq_len, self.cache,
+                                         last, block_table)
+        return fn(pad(hidden, t), pad(next_tokens, t), pad(positions, t), pad(slot_mapping, t), pad(last, n),
+                  pad(block_table, n), *self._cache_args())[:R]
 
     def describe(self) -> str:
         mode = ("CUDA graphs" if self.cuda else "TorchScript traces on CPU" if self.trace

@@ -91,20 +91,22 @@ class FullAttention(nn.Module):
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"], meta: Metadata,
                 cache: CacheTensors) -> Float[Tensor, "num_tokens hidden"]:
-        q, gate = self._project(x, positions, meta, cache)
+        q, gate = self._project(x, positions, meta.slot_mapping, cache)
         return self._attend(q, gate, meta, cache)
 
     @checked
     def forward_rows(self, x: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"],
-                     meta: Metadata, cache: CacheTensors, rows: Int[Tensor, "num_reqs_padded"],
+                     slot_mapping: Int[Tensor, "num_tokens"], cache: CacheTensors, rows: Int[Tensor, "num_reqs_padded"],
                      row_meta: UniformMetadata) -> Float[Tensor, "num_reqs_padded hidden"]:
-        """Every token's K/V written, the output computed only for the tokens `rows` (one query
-        each, described by `row_meta`): what the MTP layer needs from its first pass."""
-        q, gate = self._project(x, positions, meta, cache)
+        """Every token's K/V written (at its slot), the output computed only for the tokens
+        `rows` (one query each, described by `row_meta`): what the MTP layer needs from its
+        first pass."""
+        q, gate = self._project(x, positions, slot_mapping, cache)
         return self._attend(q[rows], gate[rows], row_meta, cache)
 
-    def _project(self, x: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"], meta: Metadata,
-                 cache: CacheTensors) -> tuple[Float[Tensor, "num_tokens heads head_dim"], Float[Tensor, "num_tokens _"]]:
+    def _project(self, x: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"],
+                 slot_mapping: Int[Tensor, "num_tokens"], cache: CacheTensors
+                 ) -> tuple[Float[Tensor, "num_tokens heads head_dim"], Float[Tensor, "num_tokens _"]]:
         """q (normed, rotated) and the output gate of every token; K/V written to the cache."""
         hq, hkv, hd = self.heads, self.kv_heads, self.hd
         h = self.qkv_proj(x)                                     # [T, (2 hq + 2 hkv) hd]
@@ -114,7 +116,7 @@ class FullAttention(nn.Module):
         qk = rms_norm_heads(qk_raw, [(self.q_norm, hq), (self.k_norm, hkv)])
         qk = self.rope(positions, qk)
         k_cache, v_cache = cache.kv[self.kv_index]
-        self.ops.write_kv(qk[:, hq:], v, k_cache, v_cache, meta.slot_mapping)
+        self.ops.write_kv(qk[:, hq:], v, k_cache, v_cache, slot_mapping)
         return qk[:, :hq], gate
 
     def _attend(self, q: Float[Tensor, "num_queries heads head_dim"], gate: Float[Tensor, "num_queries _"], meta: Metadata,
@@ -226,10 +228,10 @@ class DecoderLayer(nn.Module):
 
     @checked
     def forward_rows(self, x: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"],
-                     meta: Metadata, cache: CacheTensors, rows: Int[Tensor, "num_reqs_padded"],
+                     slot_mapping: Int[Tensor, "num_tokens"], cache: CacheTensors, rows: Int[Tensor, "num_reqs_padded"],
                      row_meta: UniformMetadata) -> Float[Tensor, "num_reqs_padded hidden"]:
         """A full-attention layer's output at the tokens `rows` only (every token's K/V written)."""
-        h = self.self_attn.forward_rows(self.input_layernorm(x), positions, meta, cache, rows, row_meta)
+        h = self.self_attn.forward_rows(self.input_layernorm(x), positions, slot_mapping, cache, rows, row_meta)
         x = x[rows] + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -252,18 +254,25 @@ class MTPModule(nn.Module):
 
     @checked
     def forward(self, embeds: Float[Tensor, "num_tokens hidden"], hidden: Float[Tensor, "num_tokens hidden"],
-                positions: Int[Tensor, "num_tokens"], meta: Metadata, cache: CacheTensors, step: int,
-                rows: Int[Tensor, "num_reqs_padded"] | None = None, row_meta: UniformMetadata | None = None
-                ) -> Tensor:
-        """[num_tokens, hidden], or [num_reqs_padded, hidden] at the tokens `rows` when given."""
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1))
+                positions: Int[Tensor, "num_tokens"], meta: Metadata, cache: CacheTensors, step: int
+                ) -> Float[Tensor, "num_tokens hidden"]:
         # num_spec may exceed the layer count: the layers are reused in turn.
         layer = self.layers[step % len(self.layers)]
-        if rows is None:
-            x = layer(x, positions, meta, cache)
-        else:
-            x = layer.forward_rows(x, positions, meta, cache, rows, row_meta)
-        return self.norm(x)
+        return self.norm(layer(self._input(embeds, hidden), positions, meta, cache))
+
+    @checked
+    def forward_rows(self, embeds: Float[Tensor, "num_tokens hidden"], hidden: Float[Tensor, "num_tokens hidden"],
+                     positions: Int[Tensor, "num_tokens"], slot_mapping: Int[Tensor, "num_tokens"],
+                     cache: CacheTensors, rows: Int[Tensor, "num_reqs_padded"], row_meta: UniformMetadata
+                     ) -> Float[Tensor, "num_reqs_padded hidden"]:
+        """The first pass (layer 0): every token's K/V written at its slot, the output only at
+        the tokens `rows`."""
+        return self.norm(self.layers[0].forward_rows(self._input(embeds, hidden), positions, slot_mapping, cache,
+                                                     rows, row_meta))
+
+    def _input(self, embeds: Float[Tensor, "num_tokens hidden"], hidden: Float[Tensor, "num_tokens hidden"]
+               ) -> Float[Tensor, "num_tokens hidden"]:
+        return self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1))
 
 
 class Qwen3NextForCausalLM(nn.Module):
@@ -324,13 +333,13 @@ class Qwen3NextForCausalLM(nn.Module):
 
     @checked
     def mtp_forward_rows(self, token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
-                         hidden: Float[Tensor, "num_tokens hidden"], meta: Metadata, cache: CacheTensors,
-                         rows: Int[Tensor, "num_reqs_padded"], row_meta: UniformMetadata
+                         hidden: Float[Tensor, "num_tokens hidden"], slot_mapping: Int[Tensor, "num_tokens"],
+                         cache: CacheTensors, rows: Int[Tensor, "num_reqs_padded"], row_meta: UniformMetadata
                          ) -> Float[Tensor, "num_reqs_padded hidden"]:
         """The first MTP pass of a step: K/V of every position into the MTP layer's cache, the
         output only at `rows` (each request's last accepted position; `row_meta` their
         one-query metadata). Equal to mtp_forward(...)[rows], without computing the rest."""
-        return self.mtp(self.embed(token_ids), hidden, positions, meta, cache, 0, rows, row_meta)
+        return self.mtp.forward_rows(self.embed(token_ids), hidden, positions, slot_mapping, cache, rows, row_meta)
 
     @checked
     def compute_logits(self, hidden: Float[Tensor, "num_logits hidden"]) -> Float[Tensor, "num_logits vocab"]:

@@ -85,17 +85,19 @@ class MTPProposer:
         hidden: Float[Tensor, "num_tokens hidden"],
         next_tokens: Int[Tensor, "num_tokens"],
         positions: Int[Tensor, "num_tokens"],
-        meta: PrefillMetadata | UniformMetadata,
+        slot_mapping: Int[Tensor, "num_tokens"],
+        max_seq_len: int,
         cache: CacheTensors,
         last_idx: Int[Tensor, "num_reqs_padded"],
         block_table: Int[Tensor, "num_reqs_padded max_blocks"],
     ) -> Int[Tensor, "num_reqs_padded num_spec"]:
-        """Drafts for the rows whose last accepted token sits at hidden[last_idx[i]];
-        `block_table[i]` is that row's block table (for the later passes)."""
-        kv_slots = proposal_kv_slots(block_table, positions[last_idx], self.num_spec, self.block_size,
-                                     meta.max_seq_len)
-        h, draft, pos = self.first_pass(hidden, next_tokens, positions, meta, cache, last_idx, block_table, kv_slots)
-        return self.draft_passes(h, draft, pos, block_table, meta.max_seq_len, cache, kv_slots)
+        """Drafts for the rows whose last accepted token sits at hidden[last_idx[i]], after a
+        step (prefill or verify) whose tokens sit at `positions` / `slot_mapping` and whose
+        longest sequence is at most max_seq_len; `block_table[i]` is that row's block table."""
+        kv_slots = proposal_kv_slots(block_table, positions[last_idx], self.num_spec, self.block_size, max_seq_len)
+        h, draft, pos = self.first_pass(hidden, next_tokens, positions, slot_mapping, max_seq_len, cache, last_idx,
+                                        block_table, kv_slots)
+        return self.draft_passes(h, draft, pos, block_table, max_seq_len, cache, kv_slots)
 
     @checked
     def first_pass(
@@ -103,7 +105,8 @@ class MTPProposer:
         hidden: Float[Tensor, "num_tokens hidden"],
         next_tokens: Int[Tensor, "num_tokens"],
         positions: Int[Tensor, "num_tokens"],
-        meta: PrefillMetadata | UniformMetadata,
+        slot_mapping: Int[Tensor, "num_tokens"],
+        max_seq_len: int,
         cache: CacheTensors,
         last_idx: Int[Tensor, "num_reqs_padded"],
         block_table: Int[Tensor, "num_reqs_padded max_blocks"],
@@ -113,11 +116,11 @@ class MTPProposer:
         `kv_slots`: the proposal's (proposal_kv_slots), computed here when not given."""
         pos = positions[last_idx]
         if kv_slots is None:
-            kv_slots = proposal_kv_slots(block_table, pos, self.num_spec, self.block_size, meta.max_seq_len)
+            kv_slots = proposal_kv_slots(block_table, pos, self.num_spec, self.block_size, max_seq_len)
         # Pass 1 writes the MTP layer's K/V at every position; only the last accepted one's
         # output is needed (one query per row, like the draft passes).
         first = draft_pass_metadata(kv_slots, block_table, pos)
-        h = self.model.mtp_forward_rows(next_tokens, positions, hidden, meta, cache, last_idx, first)
+        h = self.model.mtp_forward_rows(next_tokens, positions, hidden, slot_mapping, cache, last_idx, first)
         return h, self.model.compute_logits(h).argmax(-1), pos
 
     @checked
