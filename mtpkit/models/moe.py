@@ -33,6 +33,7 @@ from torch import nn
 
 from ..parallel import TP
 from ..shapes import Float, Int, Tensor, checked
+from .layers import linear
 from .weights import WeightSpec, narrow, read, shard_range
 
 
@@ -98,7 +99,7 @@ class SparseMoE(nn.Module):
 
     # ---- forward ----------------------------------------------------------------------------
     def router_logits(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens experts"]:
-        return F.linear(x, self.w_in[:self.num_experts])
+        return linear(x, self.w_in[:self.num_experts])
 
     @checked
     def route(self, logits: Float[Tensor, "num_tokens experts"]) -> tuple[
@@ -127,7 +128,7 @@ class SparseMoE(nn.Module):
         # (a CUDA capture would fail; a CPU trace would replay the routing it was traced with).
         capturing = torch.jit.is_tracing() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
         T = x.shape[0]
-        h = F.linear(x, self.w_in)                                 # [T, E + s + 2S]
+        h = linear(x, self.w_in)                                 # [T, E + s + 2S]
         if not capturing and T * self.num_experts > self.dense_limit:
             out = self._grouped(x, h)
         elif T * self.topk * self.sparse_share <= self.num_local:
@@ -156,12 +157,12 @@ class SparseMoE(nn.Module):
         T, E, nl, I = x.shape[0], self.num_experts, self.num_local, self.inter
         weights, experts = self.route(h[:, :E])
         gate = torch.zeros(T, E, dtype=x.dtype, device=x.device).scatter(1, experts, weights)
-        gu = F.linear(x, self.w13.view(nl * 2 * I, -1)).view(T, nl, 2, I)
+        gu = linear(x, self.w13.view(nl * 2 * I, -1)).view(T, nl, 2, I)
         act = F.silu(gu[:, :, 0]) * gu[:, :, 1] * gate[:, self.first:self.first + nl, None]   # [T, nl, I]
         act = act.reshape(T, nl * I)
         if self.s:
             act = torch.cat([self._shared_act(h), act], dim=1)
-        return F.linear(act, self.w_out)
+        return linear(act, self.w_out)
 
     def _sparse(self, x: Float[Tensor, "num_tokens hidden"], h: Float[Tensor, "num_tokens _"]
                 ) -> Float[Tensor, "num_tokens hidden"]:
@@ -176,7 +177,7 @@ class SparseMoE(nn.Module):
         # Expert e's down columns as an [I, H] block (contiguous when w_out is column-major).
         down = self.w_out[:, S:].T.view(self.num_local, I, H).index_select(0, local)
         out = torch.matmul(act.transpose(1, 2), down).view(T, K, H).sum(1)         # [T, H]
-        return out + F.linear(self._shared_act(h), self.w_out[:, :S]) if self.s else out
+        return out + linear(self._shared_act(h), self.w_out[:, :S]) if self.s else out
 
     def _grouped(self, x: Float[Tensor, "num_tokens hidden"], h: Float[Tensor, "num_tokens _"]
                  ) -> Float[Tensor, "num_tokens hidden"]:
@@ -194,7 +195,7 @@ class SparseMoE(nn.Module):
             local = e - self.first
             if c == 0 or not 0 <= local < self.num_local:  # not routed here, or another rank's
                 continue
-            g, u = F.linear(x[tok], self.w13[local]).chunk(2, dim=-1)
+            g, u = linear(x[tok], self.w13[local]).chunk(2, dim=-1)
             down = self.w_out[:, S + local * I:S + (local + 1) * I]
-            out.index_add_(0, tok, F.linear(F.silu(g) * u * weights.flatten()[idx, None], down))
-        return out + F.linear(self._shared_act(h), self.w_out[:, :S]) if self.s else out
+            out.index_add_(0, tok, linear(F.silu(g) * u * weights.flatten()[idx, None], down))
+        return out + linear(self._shared_act(h), self.w_out[:, :S]) if self.s else out
