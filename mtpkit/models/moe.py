@@ -108,7 +108,7 @@ class SparseMoE(nn.Module):
         weights, experts = torch.topk(probs, self.topk, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(logits.dtype), experts
+        return (weights if weights.dtype == logits.dtype else weights.to(logits.dtype)), experts
 
     # Above this many token-expert pairs a step loops over the experts hit (prefill, and
     # training, which sets it to 0); below it every path has fixed shapes, and each token's
