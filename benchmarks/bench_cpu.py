@@ -11,7 +11,7 @@ are long-lived: their CPU decode graphs are traced on first use (`trace_after = 
 warm-up pays for tracing and the timed runs measure the steady state.
 
     python benchmarks/bench_cpu.py                      # the embedded model
-    python benchmarks/bench_cpu.py --max-tokens 64 --batches 1 8 --threads 1 --rounds 7
+    python benchmarks/bench_cpu.py --max-tokens 128 --batches 1 8 --threads 1 --rounds 7
 
 Every batch size runs the same `--prompts` held-out prompts (8), `batch` at a time: at batch 1
 that is 8 generations one after another.
