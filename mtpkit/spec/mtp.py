@@ -6,13 +6,14 @@ so the MTP layer's own KV has an entry for every position of the sequence; its a
 and head run only at each request's last accepted position, where draft 1 is read. Passes 2..num_spec feed one token per request: the
 previous draft and the MTP's own output hidden state, one position further each time.
 
-Everything after pass 1 is computed on the device from tensors (no host round trip), so the
-whole proposal can be captured in a CUDA graph.
+Everything is computed on the device from tensors (no host round trip), so the whole proposal
+can be captured in a CUDA graph (or traced on CPU, after a verify step or a prefill). The KV
+slots all passes attend to are computed once per proposal (`proposal_kv_slots`).
 """
 
 import torch
 
-from ..attn.metadata import PrefillMetadata, UniformMetadata
+from ..attn.metadata import UniformMetadata
 from ..attn.paged import context_slots
 from ..engine.cache import CacheTensors
 from ..models.qwen3_next import Qwen3NextForCausalLM
