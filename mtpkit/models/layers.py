@@ -177,7 +177,8 @@ class RMSNorm(nn.Module):
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-def rms_norm_heads(x: Tensor, norms: list[tuple[RMSNorm, int]]) -> Tensor:
+def rms_norm_heads(x: Float[Tensor, "num_tokens qk_heads head_dim"], norms: list[tuple[RMSNorm, int]]
+                   ) -> Float[Tensor, "num_tokens qk_heads head_dim"]:
     """Several zero-centred RMSNorms over consecutive head groups of x [..., heads, head_dim]
     (norms: (norm, its head count) in order) as one normalisation and one product with the
     stacked scales: the same values as norming each group and concatenating (bit for bit on
