@@ -88,15 +88,17 @@ def gdn_chunked_core(
         decay = (G[:, :, None] - G[:, None, :]).masked_fill(~lower, float("-inf")).exp()
         kk = kc @ kc.transpose(-1, -2)  # [H, c, c]
         A = (bc[:, :, None] * kk * decay).tril(-1)
-        eye = torch.eye(c, dtype=cd, device=q.device)
+        eG = G.exp()[:, :, None]
         rhs_v = bc[:, :, None] * vc
-        rhs_s = bc[:, :, None] * G.exp()[:, :, None] * kc  # multiplies S0 from the right
+        rhs_s = bc[:, :, None] * eG * kc  # multiplies S0 from the right
         rhs = torch.cat([rhs_v, rhs_s], dim=-1)
-        sol = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+        # (I + A) U = rhs; unitriangular: the solver takes the unit diagonal as given and reads
+        # only A's strictly lower triangle, so I + A need not be formed.
+        sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
         w_v, w_s = sol.split([vc.shape[-1], kc.shape[-1]], dim=-1)
         u = w_v - w_s @ state  # [H, c, dv]
         qk = (qc @ kc.transpose(-1, -2)) * decay  # includes the diagonal (j == t)
-        o[:, sl] = (G.exp()[:, :, None] * qc) @ state + qk @ u
+        o[:, sl] = (eG * qc) @ state + qk @ u
         tail = (G[:, -1:] - G).exp()  # exp(G_last - G_j)
         state = G[:, -1].exp()[:, None, None] * state + (tail[:, :, None] * kc).transpose(-1, -2) @ u
     return o.transpose(0, 1), state
