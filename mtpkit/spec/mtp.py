@@ -94,54 +94,17 @@ class MTPProposer:
     ) -> Int[Tensor, "num_reqs_padded num_spec"]:
         """Drafts for the rows whose last accepted token sits at hidden[last_idx[i]], after a
         step (prefill or verify) whose tokens sit at `positions` / `slot_mapping` and whose
-        longest sequence is at most max_seq_len; `block_table[i]` is that row's block table."""
-        kv_slots = proposal_kv_slots(block_table, positions[last_idx], self.num_spec, self.block_size, max_seq_len)
-        h, draft, pos = self.first_pass(hidden, next_tokens, positions, slot_mapping, max_seq_len, cache, last_idx,
-                                        block_table, kv_slots)
-        return self.draft_passes(h, draft, pos, block_table, max_seq_len, cache, kv_slots)
-
-    @checked
-    def first_pass(
-        self,
-        hidden: Float[Tensor, "num_tokens hidden"],
-        next_tokens: Int[Tensor, "num_tokens"],
-        positions: Int[Tensor, "num_tokens"],
-        slot_mapping: Int[Tensor, "num_tokens"],
-        max_seq_len: int,
-        cache: CacheTensors,
-        last_idx: Int[Tensor, "num_reqs_padded"],
-        block_table: Int[Tensor, "num_reqs_padded max_blocks"],
-        kv_slots: Int[Tensor, "num_reqs_padded ctx_len"] | None = None,
-    ) -> tuple[Float[Tensor, "num_reqs_padded hidden"], Int[Tensor, "num_reqs_padded"], Int[Tensor, "num_reqs_padded"]]:
-        """Pass 1: (its output hidden, draft 1, position) at each row's last accepted token.
-        `kv_slots`: the proposal's (proposal_kv_slots), computed here when not given."""
-        pos = positions[last_idx]
-        if kv_slots is None:
-            kv_slots = proposal_kv_slots(block_table, pos, self.num_spec, self.block_size, max_seq_len)
-        # Pass 1 writes the MTP layer's K/V at every position; only the last accepted one's
-        # output is needed (one query per row, like the draft passes).
+        longest sequence is at most max_seq_len; `block_table[i]` is that row's block table.
+        One token per row and pass after pass 1, so the shapes are fixed by the step's."""
+        model, pos = self.model, positions[last_idx]
+        kv_slots = proposal_kv_slots(block_table, pos, self.num_spec, self.block_size, max_seq_len)
+        # Pass 1 writes the MTP layer's K/V at every position of the step; only each row's
+        # last accepted one's output is needed (one query per row, like the later passes).
         first = draft_pass_metadata(kv_slots, block_table, pos)
-        h = self.model.mtp_forward_rows(next_tokens, positions, hidden, slot_mapping, cache, last_idx, first)
-        return h, self.model.compute_logits(h).argmax(-1), pos
-
-    @checked
-    def draft_passes(
-        self,
-        h: Float[Tensor, "num_reqs_padded hidden"],
-        draft: Int[Tensor, "num_reqs_padded"],
-        pos: Int[Tensor, "num_reqs_padded"],
-        block_table: Int[Tensor, "num_reqs_padded max_blocks"],
-        max_seq_len: int,
-        cache: CacheTensors,
-        kv_slots: Int[Tensor, "num_reqs_padded ctx_len"] | None = None,
-    ) -> Int[Tensor, "num_reqs_padded num_spec"]:
-        """Passes 2..num_spec after pass 1, whose output hidden `h` and draft `draft` sit at
-        position `pos` of each row; one token per row and pass, shapes fixed by the row count
-        (so a prefill's draft passes can run as a captured graph too). `kv_slots`: the
-        proposal's (proposal_kv_slots with this max_seq_len), computed here when not given."""
-        model, drafts = self.model, [draft]
-        if kv_slots is None and self.num_spec > 1:
-            kv_slots = proposal_kv_slots(block_table, pos, self.num_spec, self.block_size, max_seq_len)
+        h = model.mtp_forward_rows(next_tokens, positions, hidden, slot_mapping, cache, last_idx, first)
+        draft = model.compute_logits(h).argmax(-1)
+        drafts = [draft]
+        # Passes 2..num_spec: the previous draft and pass output, one position further each.
         for j in range(1, self.num_spec):
             meta_j = draft_pass_metadata(kv_slots, block_table, pos + j)
             h = model.mtp_forward(draft, pos + j, h, meta_j, cache, step=j)
