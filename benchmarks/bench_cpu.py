@@ -21,7 +21,11 @@ import argparse
 import statistics
 import time
 
+import sys
+from pathlib import Path
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # training/ is not installed
 
 from mtpkit import LLM, SamplingParams
 from mtpkit.models.registry import resolve_model
@@ -29,7 +33,7 @@ from mtpkit.models.registry import resolve_model
 def heldout_prompts(batch: int, length: int) -> list[list[int]]:
     """`length` tokens from each of the first `batch` usable held-out stdlib files (the files the
     embedded model never trained on), starting at the first line break past a third of the file."""
-    from mtpkit.train import encode_bytes, heldout_documents
+    from training.train import encode_bytes, heldout_documents
 
     prompts = []
     for _, data in heldout_documents():

@@ -1,4 +1,4 @@
-"""Quality of the embedded tiny model on the held-out split of its corpus (mtpkit.train).
+"""Quality of the embedded tiny model on the held-out split of its corpus (training.train).
 
 1. Teacher-forced, over fixed windows of the held-out stream: next-token loss (bits per byte)
    and accuracy; MTP pass-1 loss and accuracy (argmax of the MTP head at position t == the
@@ -21,13 +21,15 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # training/ is not installed
+
 import mtpkit
 from mtpkit.attn.backend import TORCH
 from mtpkit.config import Qwen3NextConfig
 from mtpkit.models.loader import load_checkpoint
 from mtpkit.models.qwen3_next import Qwen3NextForCausalLM
 from mtpkit.models.registry import resolve_model
-from mtpkit.train import evaluate, heldout_documents, load_split
+from training.train import evaluate, heldout_documents, load_split
 
 
 def load_model(path: Path) -> Qwen3NextForCausalLM:
@@ -45,7 +47,7 @@ def heldout_windows(num: int, T: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def teacher_forced(model: Qwen3NextForCausalLM, windows: torch.Tensor, batch: int = 8) -> dict:
-    """mtpkit.train.evaluate's metrics, losses in bits per byte."""
+    """training.train.evaluate's metrics, losses in bits per byte."""
     ev = evaluate(model, windows, batch)
     ln2 = math.log(2.0)
     return {"tokens": ev["tokens"], "ntp_bits_per_byte": ev["ntp"] / ln2, "ntp_accuracy": ev["ntp_acc"],

@@ -8,10 +8,15 @@
     python examples/train_tiny.py --bench         # throughput of the candidate sizes
 
 Resumable: rerun the same command and it continues from --work-dir/train_state.pt.
-See mtpkit/train.py for the corpus, split, tokenizer and losses.
+See training/train.py for the corpus, split, tokenizer and losses.
 """
 
-from mtpkit.train import main
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # training/ is not installed
+
+from training.train import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

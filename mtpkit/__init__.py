@@ -4,7 +4,7 @@ from .engine.request import RequestOutput, SpecStats
 from .errors import CheckpointError, ConfigError, InputError, MtpkitError
 from .llm import LLM, StreamEvent
 from .shapes import ShapeError, debug, is_debug, set_debug, shape_trace
-from .spec.sampling import SamplingParams
+from .sampling import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "SpecStats", "StreamEvent", "debug",
            "is_debug", "set_debug", "shape_trace", "ShapeError", "ConfigError", "CheckpointError",

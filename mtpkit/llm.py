@@ -23,7 +23,7 @@ from .engine.scheduler import Scheduler
 from .errors import ConfigError, InputError
 from .graphs.plan import build_capture_plan
 from .models.registry import resolve_model
-from .spec.sampling import SamplingParams
+from .sampling import SamplingParams
 
 Prompt = str | Sequence[int]
 

@@ -1,9 +1,9 @@
-"""mtpkit.train's second stage (the MTP head alone, from a checkpoint): losses and what moves."""
+"""training.train's second stage (the MTP head alone, from a checkpoint): losses and what moves."""
 
 import torch
 
 from mtpkit.models.registry import resolve_model
-from mtpkit.train import (SIZES, TrainArgs, build_model, forward_losses, init_from_checkpoint, set_trainable,
+from training.train import (SIZES, TrainArgs, build_model, forward_losses, init_from_checkpoint, set_trainable,
                           train)
 
 
@@ -43,7 +43,7 @@ def test_distill_loss_is_cross_entropy_to_the_targets_next_distribution():
         out = forward_losses(m, batch, mtp_depth=1, frozen_target=True, distill=1.0)
         # reference, position by position: the target's distribution at t+1 against the MTP's at t
         full = forward_losses(m, batch, mtp_depth=1)
-        from mtpkit.train import fresh_cache, prefill_step
+        from training.train import fresh_cache, prefill_step
         ids, pos, meta = prefill_step(B, T, batch[:, :T])
         cache = fresh_cache(m, B, T)
         hid = m(ids, pos, meta, cache)
@@ -76,7 +76,7 @@ def test_mtp_stage_trains_only_the_mtp_head(tmp_path):
 
 def test_inference_keyed_pass_equals_the_engine_pass_when_it_is_the_first():
     """With no earlier pass the inference-keyed MTP pass is the plain causal pass."""
-    from mtpkit.train import _mtp_pass_inference_keys, fresh_cache, inference_key_mask, prefill_step
+    from training.train import _mtp_pass_inference_keys, fresh_cache, inference_key_mask, prefill_step
 
     m, batch = _model(), _batch(B=2, T=10)
     B, T = 2, 10
@@ -99,7 +99,7 @@ def test_generated_continuations_are_the_targets_greedy_output():
     """Stage 3's data: training-split prompts, each followed by the checkpoint's greedy
     continuation (made with MTP, which must not change it: checked against num_spec 0)."""
     from mtpkit import LLM, SamplingParams
-    from mtpkit.train import generate_continuations, sample_generated
+    from training.train import generate_continuations, sample_generated
 
     path = resolve_model("tiny-qwen3-next")
     seqs = generate_continuations(path, n=3, prompt_len=16, new_tokens=10, seed=0, log=lambda s: None)

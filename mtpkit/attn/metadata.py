@@ -67,7 +67,7 @@ class UniformMetadata:
     bundle: int                                        # query tokens per row
     max_seq_len: int
     # The KV-cache slot of every position 0..ctx_len-1 of each row, or None: computed from the
-    # block table. An MTP proposal computes it once for all its passes (spec.mtp); the torch
+    # block table. An MTP proposal computes it once for all its passes (speculative.mtp); the torch
     # attention then gathers through it (the Triton kernel walks the block table either way).
     kv_slots: Int[Tensor, "num_reqs_padded ctx_len"] | None = None
 

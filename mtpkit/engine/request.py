@@ -5,7 +5,7 @@ import enum
 
 import torch
 
-from ..spec.sampling import SamplingParams
+from ..sampling import SamplingParams
 
 
 class Status(enum.Enum):

@@ -17,9 +17,9 @@ from ..config import EngineConfig
 from ..models.qwen3_next import Qwen3NextForCausalLM
 from ..graphs.plan import CapturePlan
 from ..graphs.runner import GraphRunner
-from ..spec.mtp import MTPProposer, pass1_inputs
-from ..spec.rejection import rejection_sample
-from ..spec.sampling import SamplingParams, SamplingTensors
+from ..speculative.mtp import MTPProposer, pass1_inputs
+from ..speculative.rejection import rejection_sample
+from ..sampling import SamplingParams, SamplingTensors
 from .cache import CacheTensors
 from .scheduler import ReqResult, StepKind, StepPlan
 

@@ -31,7 +31,7 @@ from ..config import EngineConfig
 from ..engine.cache import CacheTensors
 from ..models.qwen3_next import Qwen3NextForCausalLM
 from ..shapes import Float, Int, Tensor, checked, is_debug
-from ..spec.mtp import MTPProposer, pass1_inputs
+from ..speculative.mtp import MTPProposer, pass1_inputs
 from .plan import CapturePlan
 from .specialize import specialized
 

@@ -13,7 +13,7 @@ With num_spec = 0 (bundle 1) this is plain sampling: one path for both.
 import torch
 
 from ..shapes import Float, Int, Tensor, checked
-from .sampling import SamplingTensors, sample_rows, target_probs
+from ..sampling import SamplingTensors, sample_rows, target_probs
 
 
 @checked

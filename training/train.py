@@ -54,15 +54,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .attn.backend import TORCH
-from .attn.metadata import PrefillChunk, PrefillMetadata, build_prefill
-from .config import FULL, LINEAR, Qwen3NextConfig
-from .engine.cache import CacheTensors, allocate_cache
-from .models.layers import GatedRMSNorm, Linear, RMSNorm
-from .models.loader import export_state_dict, load_checkpoint
-from .models.moe import SparseMoE
-from .models.qwen3_next import GatedDeltaNet, Qwen3NextForCausalLM
-from .shapes import Bool, Float, Int, Tensor
+from mtpkit.attn.backend import TORCH
+from mtpkit.attn.metadata import PrefillChunk, PrefillMetadata, build_prefill
+from mtpkit.config import FULL, LINEAR, Qwen3NextConfig
+from mtpkit.engine.cache import CacheTensors, allocate_cache
+from mtpkit.models.layers import GatedRMSNorm, Linear, RMSNorm
+from mtpkit.models.loader import export_state_dict, load_checkpoint
+from mtpkit.models.moe import SparseMoE
+from mtpkit.models.qwen3_next import GatedDeltaNet, Qwen3NextForCausalLM
+from mtpkit.shapes import Bool, Float, Int, Tensor
 
 EOS_TOKEN = "<|endoftext|>"
 EOS_ID = 256
@@ -602,8 +602,8 @@ def generate_continuations(model_dir: Path, n: int, prompt_len: int, new_tokens:
     column-0 lines, as in training) followed by the checkpoint's greedy continuation. At
     inference the MTP passes read text the target wrote itself; its greedy continuations are
     that distribution (the engine decodes them with MTP, which is lossless)."""
-    from .llm import LLM
-    from .spec.sampling import SamplingParams
+    from mtpkit.llm import LLM
+    from mtpkit.sampling import SamplingParams
 
     data = load_split("train")
     g = torch.Generator().manual_seed(seed + 777)

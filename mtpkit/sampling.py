@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from ..errors import InputError
-from ..shapes import Bool, Float, Int, Tensor, checked, shaped_dataclass
+from .errors import InputError
+from .shapes import Bool, Float, Int, Tensor, checked, shaped_dataclass
 
 
 @dataclasses.dataclass
