@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # training/ is not
 
 import mtpkit
 from mtpkit.attn.backend import TORCH
-from mtpkit.config import Qwen3NextConfig
+from mtpkit.models.qwen3_next_config import Qwen3NextConfig
 from mtpkit.models.loader import load_checkpoint
 from mtpkit.models.qwen3_next import Qwen3NextForCausalLM
 from mtpkit.models.registry import resolve_model

@@ -14,16 +14,17 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .config import EngineConfig, Qwen3NextConfig, resolve_dtype
-from .engine.cache import (BlockAllocator, SlotAllocator, allocate_cache, kv_bytes_per_block,
-                           state_bytes_per_slot)
+from .config import EngineConfig, resolve_dtype
+from .engine.cache import BlockAllocator, SlotAllocator, allocate_cache
+from .engine.cache_spec import CacheSpec
 from .engine.request import Request, RequestOutput, SpecStats, Status
 from .engine.runner import ModelRunner
 from .engine.scheduler import Scheduler
 from .errors import ConfigError, InputError
 from .graphs.plan import build_capture_plan
-from .models.registry import resolve_model
+from .models.registry import read_config, resolve_model
 from .sampling import SamplingParams
+from .speculative import setup_drafter
 
 Prompt = str | Sequence[int]
 
@@ -40,7 +41,8 @@ class StreamEvent:
 
 
 class LLM:
-    def __init__(self, model: str | Path, *, num_spec: int = 0, max_num_seqs: int = 8,
+    def __init__(self, model: str | Path, *, num_spec: int = 0, draft_model: str | Path | None = None,
+                 max_num_seqs: int = 8,
                  max_model_len: int | None = None, dtype="auto", device=None,
                  enforce_eager: bool = False, seed: int = 0, block_size: int = 16,
                  num_blocks: int | None = None, num_state_slots: int | None = None,
@@ -50,7 +52,9 @@ class LLM:
                  cudagraph_capture_sizes: Sequence[int] | None = None,
                  attn_backend: str | None = None, tensor_parallel_size: int | None = None,
                  load_format: str = "safetensors", num_threads: int | None = None):
-        """tensor_parallel_size: ranks the model is split over; None means every process of
+        """draft_model: a checkpoint directory (or built-in name) that drafts num_spec tokens
+        per step; None uses the model family's own drafter (Qwen3-Next: its MTP head).
+        tensor_parallel_size: ranks the model is split over; None means every process of
         the launched job (`accelerate launch` / torchrun), 1 when not launched. It must equal
         the launched world size. Every rank runs the engine and returns the same outputs.
         load_format "dummy": random weights from config.json alone (benchmarks, GPU checks).
@@ -62,7 +66,8 @@ class LLM:
             raise ConfigError(f"load_format={load_format!r} must be 'safetensors' or 'dummy'")
         path = resolve_model(model)
         self.model_path = path
-        self.model_config = cfg = Qwen3NextConfig.from_file(path)
+        self.family, cfg = read_config(path)
+        self.model_config = cfg
         self.device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = resolve_dtype(dtype, self.device, cfg.torch_dtype)
@@ -77,83 +82,88 @@ class LLM:
             raise ConfigError(f"num_threads={num_threads} must be >= 1")
         if not isinstance(num_spec, int) or isinstance(num_spec, bool) or not 0 <= num_spec <= 8:
             raise ConfigError(f"num_spec={num_spec!r} must be an int in 0..8")
+        if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ConfigError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        # The drafter, from config.json files alone (and the checkpoint's headers).
+        self.draft = draft = setup_drafter(self.family, cfg, path, num_spec=num_spec, draft_model=draft_model,
+                                           block_size=block_size, load_format=load_format)
+        model_cls, target_kwargs = self.family.model_class, (draft.target_kwargs if draft else {})
         # Tensor parallelism: what config.json cannot split is refused first, then a size that
         # differs from the launched job.
-        from .models.qwen3_next import check_tensor_parallel
         from .parallel import TP
+
+        def check_tp(size: int) -> None:
+            model_cls.check_tensor_parallel(cfg, size, **target_kwargs)
+            if draft is not None:
+                draft.check_tensor_parallel(size)
         if isinstance(tensor_parallel_size, int):
-            check_tensor_parallel(cfg, tensor_parallel_size, with_mtp=num_spec > 0)
+            check_tp(tensor_parallel_size)
         self.tp = tp = TP.launched(tensor_parallel_size, self.device)
-        check_tensor_parallel(cfg, tp.size, with_mtp=num_spec > 0)
+        check_tp(tp.size)
         self.device = tp.rank_device(self.device)
         if max_model_len is None:
             max_model_len = min(cfg.max_position_embeddings, 4096)
         if max_model_len < 2 or max_model_len > cfg.max_position_embeddings:
             raise ConfigError(f"max_model_len={max_model_len} must be in 2..max_position_embeddings="
                               f"{cfg.max_position_embeddings}")
-        if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ConfigError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
-        bundle = num_spec + 1
-        # Pool sizes: explicit counts, else a memory budget, else enough for the workload.
-        max_blocks = -(-(max_model_len + 2 * num_spec) // block_size)
+        self.engine_config = ecfg = EngineConfig(
+            num_spec=num_spec, kv_lookahead=draft.kv_lookahead if draft else 0, max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens)
+        bundle = ecfg.bundle
+        # Every cache tensor the model and its drafter declare; pool sizes: explicit counts,
+        # else a memory budget over exactly those tensors, else enough for the workload.
+        self.cache_spec = spec = model_cls.cache_spec(cfg, num_spec=num_spec, tp_size=tp.size) + (
+            draft.cache_spec(tp.size) if draft else CacheSpec())
         if num_blocks is None:
             if kv_cache_memory is not None:
-                per_block = kv_bytes_per_block(cfg, len(cfg.full_layers) + (1 if num_spec else 0),
-                                               block_size, self.dtype, tp.size)
-                num_blocks = max(kv_cache_memory // per_block, 0)
+                num_blocks = max(kv_cache_memory // spec.bytes_per_block(block_size, self.dtype), 0)
             else:
-                num_blocks = 1 + max_num_seqs * max_blocks
-        if num_blocks < 1 + max_blocks:
+                num_blocks = 1 + max_num_seqs * ecfg.max_blocks
+        if num_blocks < 1 + ecfg.max_blocks:
             raise ConfigError(f"num_blocks={num_blocks} cannot hold one sequence of max_model_len="
-                              f"{max_model_len} (needs {max_blocks} blocks of {block_size} plus the null "
+                              f"{max_model_len} (needs {ecfg.max_blocks} blocks of {block_size} plus the null "
                               "block); give more KV memory or lower max_model_len")
-        if num_state_slots is None and state_cache_memory is not None:
-            state_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-            num_state_slots = state_cache_memory // state_bytes_per_slot(cfg, num_spec, self.dtype,
-                                                                         state_dtype, tp.size)
-        num_state_slots = num_state_slots or 1 + max_num_seqs * bundle
-        self.engine_config = ecfg = EngineConfig(
-            num_spec=num_spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-            block_size=block_size, num_blocks=num_blocks, num_state_slots=num_state_slots,
-            max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager)
+        if not spec.has_state:
+            num_state_slots = None   # nothing to hold: requests take no slots
+        elif num_state_slots is None:
+            if state_cache_memory is not None:
+                num_state_slots = state_cache_memory // spec.bytes_per_slot(self.dtype)
+            else:
+                num_state_slots = 1 + max_num_seqs * bundle
         # Graph plan (and its configuration errors) before any weight is read.
+        max_state_reqs = max_num_seqs if num_state_slots is None else (num_state_slots - 1) // bundle
         self.capture_plan = build_capture_plan(
-            num_spec=num_spec, max_num_seqs=max_num_seqs,
-            max_state_reqs=(num_state_slots - 1) // bundle,
+            num_spec=num_spec, max_num_seqs=max_num_seqs, max_state_reqs=max_state_reqs,
             graph_sizes=graph_sizes, cudagraph_capture_sizes=cudagraph_capture_sizes)
-        from .models.loader import checkpoint_index, has_mtp_weights, load_checkpoint
-        from .models.qwen3_next import Qwen3NextForCausalLM
-        from .models.dummy import init_dummy_weights
         from .attn.backend import select_backend
+        from .models.loader import build_model, checkpoint_index
 
         # Reading weights can fail on one rank only (a bad file, memory): every rank finishes
         # this block, then all learn of any failure and raise, instead of the others hanging.
-        error = None
+        error, drafter = None, None
         try:
             if load_format == "safetensors":
                 checkpoint_index(path)  # a missing or broken weights file is reported before any work
-                if num_spec > 0 and not has_mtp_weights(path):
-                    raise ConfigError(f"num_spec={num_spec} needs the checkpoint's mtp.* weights, and {path} "
-                                      "has none; use num_spec=0 or a checkpoint with an MTP head")
+                if draft is not None:
+                    draft.check_checkpoint()
             ops = select_backend(self.device, attn_backend)
-            self.model = Qwen3NextForCausalLM(cfg, ops, tp, with_mtp=num_spec > 0)
-            if load_format == "dummy":
-                init_dummy_weights(self.model, self.dtype, self.device, seed)
-            else:
-                load_checkpoint(self.model, path, self.dtype, self.device)
-            self.model.set_weight_layout(self.device)
-            self.cache = allocate_cache(cfg, num_blocks=num_blocks, num_slots=num_state_slots,
-                                        block_size=block_size, num_spec=num_spec,
-                                        n_kv_layers=self.model.num_kv_layers, dtype=self.dtype,
-                                        device=self.device, tp_size=tp.size)
+
+            def load(family, model_cfg, model_path, **kwargs):
+                return build_model(family, model_cfg, model_path, ops=ops, tp=tp, dtype=self.dtype,
+                                   device=self.device, load_format=load_format, seed=seed, **kwargs)
+            self.model = load(self.family, cfg, path, **target_kwargs)
+            drafter = draft.build(self.model, load=load) if draft else None
+            self.cache = allocate_cache(spec, num_blocks=num_blocks, num_slots=num_state_slots or 0,
+                                        block_size=block_size, dtype=self.dtype, device=self.device)
         except Exception as e:
             error = e
         tp.raise_if_any_failed(error, "loading the model")
+        self.drafter = drafter
         self.blocks = BlockAllocator(num_blocks)
         self.slots = SlotAllocator(num_state_slots, bundle)
         dispatch = None if enforce_eager else self.capture_plan.dispatch
         self.scheduler = Scheduler(ecfg, self.blocks, self.slots, dispatch)
-        self.runner = ModelRunner(self.model, self.cache, ecfg, self.device,
+        self.runner = ModelRunner(self.model, drafter, self.cache, ecfg, self.device,
                                   None if enforce_eager else self.capture_plan)
         self.tokenizer = _load_tokenizer(path)
         self.eos_token_ids = _eos_ids(path, cfg)
@@ -329,7 +339,7 @@ class LLM:
             out, start = [], 0
             while start < len(ids):
                 n = min(ecfg.max_num_batched_tokens, len(ids) - start)
-                chunk = PrefillChunk(ids[start:start + n], start, blocks, slots[0], slots[-1])
+                chunk = PrefillChunk(ids[start:start + n], start, blocks, slots)
                 hidden, _, _ = self.runner.prefill_hidden([chunk])
                 out.append(self.model.compute_logits(hidden).float())
                 start += n
@@ -347,7 +357,7 @@ def _load_tokenizer(path: Path):
     return Tokenizer.from_file(str(f))
 
 
-def _eos_ids(path: Path, cfg: Qwen3NextConfig) -> tuple[int, ...]:
+def _eos_ids(path: Path, cfg) -> tuple[int, ...]:
     ids = set(cfg.eos_token_ids)
     gen = path / "generation_config.json"
     if gen.exists():

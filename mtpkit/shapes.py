@@ -47,7 +47,8 @@ DIMS: dict[str, str] = {
     "seq_len": "tokens of one sequence (score, prompts)",
     "ctx_len": "context length attended over (cached prefix + new tokens)",
     "num_queries": "query tokens of one attention call: every token of the step, or one per request",
-    "q_len": "query tokens per row of one attention call (the bundle, or one prefill chunk)",
+    "q_len": "query tokens per row of a uniform step or attention call: the bundle in a verify step, "
+             "1 in a drafter's one-token pass",
     # model widths
     "hidden": "model hidden size",
     "vocab": "vocabulary size",

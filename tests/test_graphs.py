@@ -105,10 +105,8 @@ def test_large_steps_keep_a_fixed_shape_moe_path(ckdir, monkeypatch):
 
 
 def _fill_null(llm, value):
-    for k, v in llm.cache.kv:
-        k[0].fill_(value), v[0].fill_(value)
-    for c, s in zip(llm.cache.conv, llm.cache.ssm):
-        c[0].fill_(value), s[0].fill_(value)
+    for t in llm.cache.tensors():
+        t[0].fill_(value)
 
 
 def _padded_run(path, k, prompts, null_value, **kw):
@@ -124,7 +122,7 @@ def _padded_run(path, k, prompts, null_value, **kw):
 
 def _real_storage(llm):
     """Every KV block and state slot except the null ones."""
-    return [t[1:] for kv in llm.cache.kv for t in kv] + [t[1:] for t in llm.cache.conv + llm.cache.ssm]
+    return [t[1:] for t in llm.cache.tensors()]
 
 
 @pytest.mark.parametrize("k", [0, 2])
@@ -147,9 +145,9 @@ def test_padded_rows_are_inert(ckdir, k, sentinel):
         assert torch.equal(x, y)
         torch.testing.assert_close(x, u, rtol=0, atol=1e-12)
     # the padded rows did run: in the zero-filled run they wrote into the null block and slot
-    assert z.cache.kv[0][0][0].abs().sum() > 0 and z.cache.ssm[0][0].abs().sum() > 0
+    assert z.cache.kv["attention"][0][0][0].abs().sum() > 0 and z.cache.state["gdn"][0]["ssm"][0].abs().sum() > 0
     # the unpadded run has no padded rows: its null block still holds the sentinel
-    null = b.cache.kv[0][0][0]
+    null = b.cache.kv["attention"][0][0][0]
     torch.testing.assert_close(null, torch.full_like(null, sentinel), rtol=0, atol=0, equal_nan=True)
 
 
@@ -251,10 +249,15 @@ def test_debug_trace_shows_step_shapes(ckdir):
     llm = LLM(_ck(str(ckdir)), num_spec=2, max_num_seqs=4, **F64)
     with mtpkit.debug() as trace:
         llm.generate(oracle.random_prompts(3, 256, seed=4), SamplingParams(max_tokens=4, ignore_eos=True))
-    steps = [e for e in trace if e.function == "attn.metadata.UniformMetadata" and e.dims.get("bundle") == 3]
-    assert steps and all({"num_reqs", "num_reqs_padded", "bundle"} <= set(e.dims) for e in steps)
+    steps = [e for e in trace if e.function == "attn.metadata.UniformMetadata" and e.dims.get("q_len") == 3]
+    assert steps and all({"num_reqs", "num_reqs_padded", "q_len"} <= set(e.dims) for e in steps)
     assert any(e.dims["num_reqs"] == 3 and e.dims["num_reqs_padded"] == 4 for e in steps)
     assert "num_reqs_padded=4" in trace.table()
+    assert any(e.dims.get("bundle") == 3 for e in trace)
+    # A drafter's one-token passes have their own dimension (q_len 1): "bundle" means
+    # num_spec + 1 in every row of the trace, never the query tokens of a draft pass.
+    passes = [e for e in trace if e.dims.get("q_len") == 1]
+    assert passes and all("bundle" not in e.dims for e in passes)
 
 
 def test_graph_path_proposes_the_drafts_of_eager():

@@ -88,11 +88,19 @@ def test_preemption_recomputes_without_changing_output(ck):
 
 
 def test_pools_sized_from_memory_budgets(ck):
-    from mtpkit.engine.cache import kv_bytes_per_block, state_bytes_per_slot
-    llm = LLM(ck, dtype="float32", num_spec=2, kv_cache_memory=4 << 20, state_cache_memory=1 << 20)
+    """The budgets buy exactly the tensors that are allocated: the expectation is counted from
+    the cache tensors themselves (every K/V layer, the MTP head's included; every state)."""
+    kv_budget, state_budget = 4 << 20, 1 << 20
+    llm = LLM(ck, dtype="float32", num_spec=2, kv_cache_memory=kv_budget, state_cache_memory=state_budget)
+    kv = [t for layers in llm.cache.kv.values() for pair in layers for t in pair]
+    state = [t for layers in llm.cache.state.values() for layer in layers for t in layer.values()]
     cfg = llm.model_config
-    assert llm.cache.num_blocks == (4 << 20) // kv_bytes_per_block(cfg, 2, 16, torch.float32)
-    assert llm.cache.num_slots == (1 << 20) // state_bytes_per_slot(cfg, 2, torch.float32, torch.float32)
+    assert len(kv) == 2 * (len(cfg.full_layers) + cfg.num_nextn_predict_layers)
+    assert len(state) == 2 * len(cfg.linear_layers)
+    kv_bytes, state_bytes = sum(t.nbytes for t in kv), sum(t.nbytes for t in state)
+    per_block, per_slot = kv_bytes // llm.cache.num_blocks, state_bytes // llm.cache.num_slots
+    assert kv_budget - per_block < kv_bytes <= kv_budget
+    assert state_budget - per_slot < state_bytes <= state_budget
 
 
 def test_chunked_prefills_that_cannot_all_fit_make_progress(ck):

@@ -323,7 +323,7 @@ def test_full_attention_interval_instead_of_layer_types(hf_checkpoint, tmp_path,
 
 
 def test_mtp_weights_ignored_with_num_spec_0(hf_checkpoint):
-    from mtpkit.models.loader import has_mtp_weights
+    from mtpkit.speculative.mtp import has_mtp_weights
 
     name = "base"
     _, with_mtp = hf_checkpoint(name, SEED, with_mtp=True)

@@ -159,7 +159,7 @@ def test_debug_mode_checks_shapes():
         paged_attention_verify(q.view(2, 2, 4, D), kc, vc, torch.tensor([5, 3]), pool.tables, scale=0.5,
                                sliding_window=2, softcap=3.0)
         write_kv(torch.randn(2, 2, D), torch.randn(2, 2, D), kc, vc, torch.tensor([4, 5]))
-        assert trace.entries[0].dims["kv_heads"] == 2 and trace.entries[1].dims["bundle"] == 2
+        assert trace.entries[0].dims["kv_heads"] == 2 and trace.entries[1].dims["q_len"] == 2
         with pytest.raises(shapes.ShapeError):  # head_dim of q disagrees with the cache
             paged_attention_prefill(torch.randn(4, 4, D + 1), kc, vc, torch.tensor([0, 2, 4]),
                                     torch.tensor([5, 3]), pool.tables, scale=0.5)

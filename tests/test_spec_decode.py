@@ -100,12 +100,12 @@ def test_state_after_verify_equals_nonspec_state(ckdir, k):
             ref.step()
         assert rreq.num_computed == req.num_computed == len(prompt) + a
         W = llm.model_config.linear_conv_kernel_dim
-        for i in range(len(llm.cache.ssm)):
-            ssm = llm.cache.ssm[i][req.state_slots[a - 1]]
-            ssm_ref = ref.cache.ssm[i][rreq.state_slots[0]]
+        for state, state_ref in zip(llm.cache.state["gdn"], ref.cache.state["gdn"]):
+            ssm = state["ssm"][req.state_slots[a - 1]]
+            ssm_ref = state_ref["ssm"][rreq.state_slots[0]]
             torch.testing.assert_close(ssm, ssm_ref, rtol=1e-10, atol=1e-12)
-            conv = llm.cache.conv[i][req.state_slots[0]][:, a - 1:a - 1 + W - 1]
-            conv_ref = ref.cache.conv[i][rreq.state_slots[0]][:, : W - 1]
+            conv = state["conv"][req.state_slots[0]][:, a - 1:a - 1 + W - 1]
+            conv_ref = state_ref["conv"][rreq.state_slots[0]][:, : W - 1]
             torch.testing.assert_close(conv, conv_ref, rtol=1e-10, atol=1e-12)
 
 
@@ -248,7 +248,7 @@ def _second_token_distribution(path, prompt, params, k, n):
 
 
 def _exact_second_token_p(path, prompt, params):
-    from mtpkit.spec.sampling import SamplingTensors, target_probs
+    from mtpkit.sampling import SamplingTensors, target_probs
     llm = LLM(path, **F64)
     sp = SamplingParams(max_tokens=2, temperature=params["temperature"], top_k=params.get("top_k", 0),
                         top_p=params.get("top_p", 1.0))
@@ -274,7 +274,7 @@ def test_sampling_distribution_matches_target(ckdir, params, monkeypatch):
         assert p > 1e-4, f"num_spec={k}: chi-square p-value {p:.2e}; counts {counts.tolist()}"
         if k:
             assert 0.1 < llm.stats.acceptance_rate_per_position[0] < 0.95  # rejections happen
-    import mtpkit.spec.rejection as rej
+    import mtpkit.speculative.rejection as rej
     monkeypatch.setattr(rej, "recovered_distribution", lambda p, d: p)
     counts, _ = _second_token_distribution(path, prompt, params, 1, n)
     assert _chi2_pvalue(counts, expected) < 1e-6, "a biased recovery distribution went unnoticed"
@@ -291,17 +291,17 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(ckdir):
     assert a == b == alone
 
 
-def test_pass1_inputs_follow_the_accepted_tokens():
+def test_verify_outcome_follows_the_accepted_tokens():
     """Position j's next token: what was emitted there if accepted, else draft j+1 (0 after
     the last); the last accepted position of row i is i * bundle + num_emitted - 1."""
-    from mtpkit.spec.mtp import pass1_inputs
+    from mtpkit.speculative.drafter import verify_outcome
 
     g = torch.Generator().manual_seed(0)
     R, B = 5, 4
     token_ids = torch.randint(1, 100, (R, B), generator=g)
     tokens = torch.randint(100, 200, (R, B), generator=g)
     num_emitted = torch.tensor([1, 2, 3, 4, 1])
-    nxt, last = pass1_inputs(token_ids, tokens, num_emitted)
+    nxt, last = verify_outcome(token_ids, tokens, num_emitted)
     want = [[int(tokens[i, j]) if j < num_emitted[i] else (int(token_ids[i, j + 1]) if j + 1 < B else 0)
              for j in range(B)] for i in range(R)]
     assert nxt.view(R, B).tolist() == want

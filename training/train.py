@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 from mtpkit.attn.backend import TORCH
 from mtpkit.attn.metadata import PrefillChunk, PrefillMetadata, build_prefill
-from mtpkit.config import FULL, LINEAR, Qwen3NextConfig
+from mtpkit.models.qwen3_next_config import FULL, LINEAR, Qwen3NextConfig
 from mtpkit.engine.cache import CacheTensors, allocate_cache
 from mtpkit.models.layers import GatedRMSNorm, Linear, RMSNorm
 from mtpkit.models.loader import export_state_dict, load_checkpoint
@@ -331,14 +331,14 @@ def verify_export(model: Qwen3NextForCausalLM, path: Path, dtype: torch.dtype) -
 
 def fresh_cache(model: Qwen3NextForCausalLM, B: int, T: int) -> CacheTensors:
     """Zeroed caches for B requests of T tokens: one KV block of T tokens per request."""
-    return allocate_cache(model.cfg, num_blocks=B + 1, num_slots=B + 1, block_size=T, num_spec=0,
-                          n_kv_layers=model.num_kv_layers, dtype=model.embed_tokens.dtype,
+    spec = model.cache_spec(model.cfg, num_spec=0) + model.mtp_cache_spec(model.cfg)
+    return allocate_cache(spec, num_blocks=B + 1, num_slots=B + 1, block_size=T, dtype=model.embed_tokens.dtype,
                           device=torch.device("cpu"))
 
 
 def prefill_step(B: int, T: int, inputs: Int[Tensor, "num_reqs seq_len"]):
     """token_ids, positions, metadata of a prefill of B fresh requests (block i+1, slot i+1)."""
-    chunks = [PrefillChunk(inputs[i].tolist(), 0, [i + 1], i + 1, i + 1) for i in range(B)]
+    chunks = [PrefillChunk(inputs[i].tolist(), 0, [i + 1], [i + 1]) for i in range(B)]
     return build_prefill(chunks, block_size=T, max_blocks=1, device=torch.device("cpu"))
 
 
@@ -408,18 +408,16 @@ def forward_losses(model: Qwen3NextForCausalLM, batch: Int[Tensor, "num_reqs seq
     h = model.mtp_forward(targets1, positions, hidden, meta, cache, step=0)
     out["mtp"].append(mtp_loss(model.compute_logits(h), 0))
     out["mtp_hidden"] = h
-    n_full = len(model.cfg.full_layers)
-    pass_kv = [tuple(t[1:B + 1] for t in cache.kv[n_full])]   # each pass's K, V [B, T, kv_heads, head_dim]
+    pass_kv = [tuple(t[1:B + 1] for t in cache.kv["mtp"][0])]   # each pass's K, V [B, T, kv_heads, head_dim]
     for j in range(1, mtp_depth):
         # Pass j+1 at position t reads pass j's output at t-1; positions < j have no input.
         prev = h.view(B, T, -1)
         h_in = torch.cat([prev[:, :1], prev[:, :-1]], dim=1).reshape(B * T, -1)
-        kv = list(cache.kv)
-        kv[n_full] = tuple(torch.zeros_like(t) for t in cache.kv[n_full])
-        cache_j = CacheTensors(kv=kv, conv=cache.conv, ssm=cache.ssm, block_size=cache.block_size)
+        kv = {**cache.kv, "mtp": [tuple(torch.zeros_like(t) for t in cache.kv["mtp"][0])]}
+        cache_j = CacheTensors(kv=kv, state=cache.state, block_size=cache.block_size)
         if mtp_keys == "inference":
             h = _mtp_pass_inference_keys(model, targets1, positions, h_in, meta, cache_j, j, pass_kv, B, T)
-            pass_kv.append(tuple(t[1:B + 1] for t in cache_j.kv[n_full]))
+            pass_kv.append(tuple(t[1:B + 1] for t in cache_j.kv["mtp"][0]))
         else:
             h = model.mtp_forward(targets1, positions, h_in, meta, cache_j, step=j)
         out["mtp"].append(mtp_loss(model.compute_logits(h), j))
@@ -451,9 +449,8 @@ def _mtp_pass_inference_keys(model: Qwen3NextForCausalLM, tokens: Int[Tensor, "n
     layer = mtp.layers[j % len(mtp.layers)]
     attn = layer.self_attn
     q, gate = attn._project(layer.input_layernorm(x), positions, meta.slot_mapping, cache_j)   # q [B*T, heads, D]
-    n_full = len(model.cfg.full_layers)
-    k_all = torch.cat([kv[0] for kv in pass_kv] + [cache_j.kv[n_full][0][1:B + 1]], dim=1)   # [B, (j+1) T, kvh, D]
-    v_all = torch.cat([kv[1] for kv in pass_kv] + [cache_j.kv[n_full][1][1:B + 1]], dim=1)
+    k_all = torch.cat([kv[0] for kv in pass_kv] + [cache_j.kv["mtp"][0][0][1:B + 1]], dim=1)   # [B, (j+1) T, kvh, D]
+    v_all = torch.cat([kv[1] for kv in pass_kv] + [cache_j.kv["mtp"][0][1][1:B + 1]], dim=1)
     qh = q.view(B, T, attn.heads, attn.hd).transpose(1, 2)
     kh, vh = k_all.transpose(1, 2), v_all.transpose(1, 2)
     o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=inference_key_mask(T, j), scale=attn.scale,

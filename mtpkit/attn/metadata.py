@@ -2,8 +2,9 @@
 
 Two layouts, and only two:
 - PREFILL: ragged chunks of prompts, packed token-major (`query_start_loc`), run eager.
-- UNIFORM: every row feeds the same number of query tokens, request-major. A verify step has
-  `bundle` tokens per row (num_spec + 1; 1 without speculation), an MTP draft pass has 1.
+- UNIFORM: every row feeds the same number of query tokens (`q_len`), request-major. A verify
+  step has q_len = bundle tokens per row (num_spec + 1; 1 without speculation), a drafter's
+  one-token pass has q_len = 1 (its own dimension, so a trace never reads "bundle=1").
   Rows are padded to `num_reqs_padded` (a captured graph size). Padded rows are real rows
   that point at null storage: token 0, positions 0..q-1, seq_len q, block-table row of the
   null block (0), state slots of the null slot (0), num_accepted 1. They compute finite
@@ -26,8 +27,7 @@ class PrefillChunk:
     token_ids: list[int]
     start: int                 # tokens of this request already in the caches
     block_ids: list[int]
-    conv_slot: int             # GDN conv-state slot (the request's first state slot)
-    ssm_slot: int              # GDN recurrent-state slot read and written by prefill
+    state_slots: list[int]     # the request's state slots (empty: the model keeps no state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +37,7 @@ class UniformRow:
     token_ids: list[int]       # q tokens: [last sampled, drafts...] (verify) or [draft] (MTP)
     start: int                 # position of token_ids[0]
     block_ids: list[int]
-    state_slots: list[int]     # bundle GDN slots (verify); ignored by MTP passes
+    state_slots: list[int]     # the request's bundle state slots (verify); ignored by draft passes
     num_accepted: int          # tokens accepted for this request in its previous step (>= 1)
 
 
@@ -47,8 +47,7 @@ class PrefillMetadata:
     query_start_loc: Int[Tensor, "num_reqs+1"]
     block_table: Int[Tensor, "num_reqs max_blocks"]
     slot_mapping: Int[Tensor, "num_tokens"]            # KV slot of every token
-    conv_slots: Int[Tensor, "num_reqs"]
-    ssm_slots: Int[Tensor, "num_reqs"]
+    state_slots: Int[Tensor, "num_reqs bundle"]        # each request's state slots
     has_initial_state: Bool[Tensor, "num_reqs"]        # a previous chunk left state behind
     logits_indices: Int[Tensor, "num_reqs"]            # the last token of every chunk
     num_reqs: int
@@ -60,11 +59,11 @@ class UniformMetadata:
     seq_lens: Int[Tensor, "num_reqs_padded"]           # context including this step's tokens
     block_table: Int[Tensor, "num_reqs_padded max_blocks"]
     slot_mapping: Int[Tensor, "num_tokens"]
-    state_slots: Int[Tensor, "num_reqs_padded bundle"]
+    state_slots: Int[Tensor, "num_reqs_padded q_len"]  # verify: the request's bundle slots
     num_accepted: Int[Tensor, "num_reqs_padded"]
     num_reqs: int                                      # real rows; the rest are padding
     num_reqs_padded: int
-    bundle: int                                        # query tokens per row
+    q_len: int                                         # query tokens per row
     max_seq_len: int
     # The KV-cache slot of every position 0..ctx_len-1 of each row, or None: computed from the
     # block table. An MTP proposal computes it once for all its passes (speculative.mtp); the torch
@@ -73,7 +72,7 @@ class UniformMetadata:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_reqs_padded * self.bundle
+        return self.num_reqs_padded * self.q_len
 
 
 def _block_table(rows: list[list[int]], max_blocks: int) -> Tensor:
@@ -111,8 +110,7 @@ def build_prefill(
         query_start_loc=qsl.to(device),
         block_table=table.to(device),
         slot_mapping=_slots(positions, table, row, block_size).to(device),
-        conv_slots=torch.tensor([c.conv_slot for c in chunks], dtype=torch.int64, device=device),
-        ssm_slots=torch.tensor([c.ssm_slot for c in chunks], dtype=torch.int64, device=device),
+        state_slots=torch.tensor([c.state_slots for c in chunks], dtype=torch.int64, device=device),
         has_initial_state=torch.tensor([c.start > 0 for c in chunks], dtype=torch.bool, device=device),
         logits_indices=(qsl[1:] - 1).to(device),
         num_reqs=len(chunks),
@@ -163,7 +161,7 @@ def build_uniform(
         num_accepted=t([r.num_accepted for r in rows]),
         num_reqs=num_reqs,
         num_reqs_padded=num_reqs_padded,
-        bundle=q,
+        q_len=q,
         max_seq_len=max(seq_lens),
     )
     return t([x for r in rows for x in r.token_ids]), t(positions), meta

@@ -132,7 +132,7 @@ def paged_attention_prefill(
 
 @checked
 def paged_attention_verify(
-    q: Float[Tensor, "num_reqs_padded bundle heads head_dim"],
+    q: Float[Tensor, "num_reqs_padded q_len heads head_dim"],
     k_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
     v_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
     seq_lens: Int[Tensor, "num_reqs_padded"],
@@ -142,7 +142,7 @@ def paged_attention_verify(
     softcap: float | None = None,
     max_seq_len: int | None = None,
     kv_slots: Int[Tensor, "num_reqs_padded ctx_len"] | None = None,
-) -> Float[Tensor, "num_reqs_padded bundle heads head_dim"]:
+) -> Float[Tensor, "num_reqs_padded q_len heads head_dim"]:
     """A uniform verify/decode step, batched over requests: every request's bundle tokens
     are its last positions seq_lens[i] - bundle .. seq_lens[i] - 1. K/V are gathered up to
     max(seq_lens) and masked per row by seq_len and causality. Padded rows (block-table

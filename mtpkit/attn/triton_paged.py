@@ -328,7 +328,7 @@ def _dot_mode(*xs: Tensor) -> dict:
 
 @checked
 def paged_attention_verify(
-    q: Float[Tensor, "num_reqs_padded bundle heads head_dim"],
+    q: Float[Tensor, "num_reqs_padded q_len heads head_dim"],
     k_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
     v_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
     seq_lens: Int[Tensor, "num_reqs_padded"],
@@ -338,7 +338,7 @@ def paged_attention_verify(
     softcap: float | None = None,
     max_seq_len: int | None = None,
     kv_slots: Int[Tensor, "num_reqs_padded ctx_len"] | None = None,
-) -> Float[Tensor, "num_reqs_padded bundle heads head_dim"]:
+) -> Float[Tensor, "num_reqs_padded q_len heads head_dim"]:
     """Triton version of paged.paged_attention_verify (see the module docstring); no host
     sync. The launch depends on the tensor shapes and `max_seq_len` (a host-side upper bound
     of seq_lens; default: the block table's capacity), so a graph that passes a fixed

@@ -1,22 +1,20 @@
-"""Cache storage and its allocators.
+"""Cache storage and its allocators, as a model's `CacheSpec` declares them (cache_spec.py).
 
-- Paged KV for every full-attention layer (the MTP layer's included): per layer
-  k, v [num_blocks, block_size, kv_heads, head_dim]. Block 0 is the null block: padded rows
-  read and write it, no request ever owns it.
-- GDN state pool for every linear-attention layer: conv [num_slots, conv_dim, conv_state_len]
-  (conv_state_len = W - 1 + num_spec, so a verify step can restart at any accepted count) and
-  recurrent [num_slots, v_heads, k_dim, v_dim] in fp32 (fp64 when the model runs in fp64).
+- Paged KV, one K and one V tensor [num_blocks, block_size, kv_heads, head_dim] per layer of
+  every KV group. Block 0 is the null block: padded rows read and write it, no request ever
+  owns it.
+- State slots, one tensor [num_slots, *shape] per layer and state name of every state group.
   Slot 0 is the null slot. A request owns `bundle` slots (the speculative state contract of
-  spec_decode.md: read slot a-1, write slot t after token t).
+  DESIGN.md). A model without state groups has no slot pool: its requests hold no slots.
 """
 
 import dataclasses
 
 import torch
 
-from ..config import Qwen3NextConfig
 from ..errors import ConfigError
 from ..shapes import Float, Tensor
+from .cache_spec import CacheSpec
 
 
 class BlockAllocator:
@@ -44,10 +42,16 @@ class BlockAllocator:
 
 
 class SlotAllocator:
-    """GDN state slots, handed out `per_request` at a time (slot 0 is the null slot)."""
+    """State slots, handed out `per_request` at a time (slot 0 is the null slot). `num_slots`
+    None: the model keeps no state, every request gets the null slots and the pool never runs
+    out."""
 
-    def __init__(self, num_slots: int, per_request: int):
+    def __init__(self, num_slots: int | None, per_request: int):
         self.num_slots, self.per_request = num_slots, per_request
+        self.stateless = num_slots is None
+        if self.stateless:
+            self.capacity = None
+            return
         self.capacity = (num_slots - 1) // per_request  # requests the pool can hold at once
         if self.capacity < 1:
             raise ConfigError(f"num_slots={num_slots} holds no request: each needs {per_request} "
@@ -56,60 +60,69 @@ class SlotAllocator:
                       for i in range(self.capacity - 1, -1, -1)]
 
     @property
-    def num_free(self) -> int:
-        return len(self._free)
+    def num_free(self) -> int | None:
+        """Requests' worth of free slots (None without state)."""
+        return None if self.stateless else len(self._free)
 
     def allocate(self) -> list[int] | None:
+        if self.stateless:
+            return [0] * self.per_request
         return self._free.pop() if self._free else None
 
     def free(self, slots: list[int]) -> None:
-        self._free.append(list(slots))
+        if not self.stateless:
+            self._free.append(list(slots))
 
 
 @dataclasses.dataclass
 class CacheTensors:
-    """The storage the attention backends read and write; the model never owns a cache."""
+    """The storage the attention backends read and write; the model never owns a cache.
+    kv[group][layer] = (K, V); state[group][layer][name] = that state's slots."""
 
-    kv: list[tuple[Float[Tensor, "num_blocks block_size kv_heads head_dim"],
-                   Float[Tensor, "num_blocks block_size kv_heads head_dim"]]]
-    conv: list[Float[Tensor, "num_slots conv_dim conv_state_len"]]
-    ssm: list[Float[Tensor, "num_slots v_heads k_dim v_dim"]]
+    kv: dict[str, list[tuple[Float[Tensor, "num_blocks block_size kv_heads head_dim"],
+                             Float[Tensor, "num_blocks block_size kv_heads head_dim"]]]]
+    state: dict[str, list[dict[str, Tensor]]]
     block_size: int
 
     @property
     def num_blocks(self) -> int:
-        return self.kv[0][0].shape[0] if self.kv else 0
+        return next((layers[0][0].shape[0] for layers in self.kv.values() if layers), 0)
 
     @property
     def num_slots(self) -> int:
-        return self.ssm[0].shape[0] if self.ssm else 0
+        return next((next(iter(layers[0].values())).shape[0] for layers in self.state.values() if layers), 0)
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """Every tensor, in a fixed order (a captured graph's cache arguments)."""
+        kv = tuple(t for layers in self.kv.values() for kv in layers for t in kv)
+        return kv + tuple(layer[n] for layers in self.state.values() for layer in layers for n in sorted(layer))
+
+    def with_tensors(self, flat) -> "CacheTensors":
+        """The same structure over `flat` (as `tensors()` orders them): a traced graph's
+        cache arguments seen as a cache again."""
+        it = iter(flat)
+        kv = {g: [(next(it), next(it)) for _ in layers] for g, layers in self.kv.items()}
+        state = {g: [{n: next(it) for n in sorted(layer)} for layer in layers] for g, layers in self.state.items()}
+        return CacheTensors(kv, state, self.block_size)
+
+    def sub(self, prefix: str) -> "CacheTensors":
+        """The groups named `prefix...`, under their names without it: what a drafter that
+        declared its groups under a prefix reads."""
+        def strip(groups):
+            return {g[len(prefix):]: v for g, v in groups.items() if g.startswith(prefix)}
+        return CacheTensors(strip(self.kv), strip(self.state), self.block_size)
 
 
-def kv_bytes_per_block(cfg: Qwen3NextConfig, n_kv_layers: int, block_size: int, dtype, tp_size=1) -> int:
-    kv_heads = max(1, cfg.num_key_value_heads // tp_size)
-    return 2 * n_kv_layers * block_size * kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+def allocate_cache(spec: CacheSpec, *, num_blocks: int, num_slots: int, block_size: int,
+                   dtype: torch.dtype, device: torch.device) -> CacheTensors:
+    """Zeroed storage for every declared group (zeros keep the null block / slot finite)."""
+    def zeros(shape, dt=dtype):
+        return torch.zeros(shape, dtype=dt, device=device)
 
-
-def state_bytes_per_slot(cfg: Qwen3NextConfig, num_spec: int, dtype, state_dtype, tp_size=1) -> int:
-    n = len(cfg.linear_layers)
-    conv = cfg.conv_dim // tp_size * (cfg.linear_conv_kernel_dim - 1 + num_spec) * torch.finfo(dtype).bits // 8
-    ssm = (cfg.linear_num_value_heads // tp_size) * cfg.linear_key_head_dim * cfg.linear_value_head_dim \
-        * torch.finfo(state_dtype).bits // 8
-    return n * (conv + ssm)
-
-
-def allocate_cache(cfg: Qwen3NextConfig, *, num_blocks: int, num_slots: int, block_size: int,
-                   num_spec: int, n_kv_layers: int, dtype: torch.dtype, device: torch.device,
-                   tp_size: int = 1) -> CacheTensors:
-    """Zeroed storage (zeros keep the null block / slot finite)."""
-    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    kv_heads = max(1, cfg.num_key_value_heads // tp_size)
-    kv_shape = (num_blocks, block_size, kv_heads, cfg.head_dim)
-    kv = [(torch.zeros(kv_shape, dtype=dtype, device=device),
-           torch.zeros(kv_shape, dtype=dtype, device=device)) for _ in range(n_kv_layers)]
-    conv_shape = (num_slots, cfg.conv_dim // tp_size, cfg.linear_conv_kernel_dim - 1 + num_spec)
-    ssm_shape = (num_slots, cfg.linear_num_value_heads // tp_size, cfg.linear_key_head_dim,
-                 cfg.linear_value_head_dim)
-    conv = [torch.zeros(conv_shape, dtype=dtype, device=device) for _ in cfg.linear_layers]
-    ssm = [torch.zeros(ssm_shape, dtype=state_dtype, device=device) for _ in cfg.linear_layers]
-    return CacheTensors(kv=kv, conv=conv, ssm=ssm, block_size=block_size)
+    kv = {g.name: [(zeros((num_blocks, block_size, g.kv_heads, g.head_dim)),
+                    zeros((num_blocks, block_size, g.kv_heads, g.head_dim))) for _ in range(g.num_layers)]
+          for g in spec.kv}
+    state = {g.name: [{n: zeros((num_slots,) + t.shape, t.dtype(dtype)) for n, t in g.tensors.items()}
+                      for _ in range(g.num_layers)]
+             for g in spec.state}
+    return CacheTensors(kv, state, block_size)

@@ -1,6 +1,6 @@
-"""Runs one scheduled step: metadata -> model -> sampler / rejection -> proposer.
+"""Runs one scheduled step: metadata -> model -> sampler / rejection -> drafter.
 
-Prefill steps run eager. Verify steps (and the MTP proposal after them) go through the graph
+Prefill steps run eager. Verify steps (and the drafter's proposal after them) go through the graph
 runner (mtpkit.graphs: static buffers, captured replays) unless enforce_eager; padded rows are
 inert by construction.
 
@@ -14,33 +14,31 @@ import torch
 
 from ..attn.metadata import PrefillChunk, UniformRow, build_prefill, build_uniform
 from ..config import EngineConfig
-from ..models.qwen3_next import Qwen3NextForCausalLM
 from ..graphs.plan import CapturePlan
 from ..graphs.runner import GraphRunner
-from ..speculative.mtp import MTPProposer, pass1_inputs
-from ..speculative.rejection import rejection_sample
 from ..sampling import SamplingParams, SamplingTensors
+from ..speculative.drafter import DraftInputs, Drafter, verify_outcome
+from ..speculative.rejection import rejection_sample
 from .cache import CacheTensors
 from .scheduler import ReqResult, StepKind, StepPlan
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3NextForCausalLM, cache: CacheTensors, ecfg: EngineConfig,
+    def __init__(self, model, drafter: Drafter | None, cache: CacheTensors, ecfg: EngineConfig,
                  device: torch.device, plan: CapturePlan | None = None):
         """`plan` None: every step eager. Otherwise verify steps run through the graph runner."""
-        self.model, self.cache, self.cfg, self.device = model, cache, ecfg, device
+        self.model, self.drafter, self.cache, self.cfg, self.device = model, drafter, cache, ecfg, device
         self.tp = model.tp
-        self.proposer = MTPProposer(model, ecfg.num_spec, ecfg.block_size) if ecfg.num_spec > 0 else None
         self._all_greedy: dict[int, SamplingTensors] = {}
         self.graphs = None
         if plan is not None:
-            self.graphs = GraphRunner(model, cache, ecfg, plan, self.proposer, device)
+            self.graphs = GraphRunner(model, cache, ecfg, plan, drafter, device)
             self.graphs.capture()
 
     def _sampling(self, params: list[SamplingParams]) -> SamplingTensors:
         """The step's sampling tensors. An all-greedy batch's depend only on its size (top-k
-        and top-p do not apply to greedy rows): built once per size and reused (1.4 us
-        instead of ~18 per step; nothing writes to them)."""
+        and top-p do not apply to greedy rows): built once per size and reused (nothing
+        writes to them)."""
         if any(p.temperature != 0 for p in params):
             return SamplingTensors.from_params(params, self.device)
         n = len(params)
@@ -62,9 +60,10 @@ class ModelRunner:
     def _prefill(self, plan: StepPlan) -> list[ReqResult]:
         reqs = plan.reqs
         chunks = [PrefillChunk(r.all_token_ids[r.num_computed:r.num_computed + n], r.num_computed,
-                               r.block_ids, r.state_slots[0], r.state_slots[-1])
+                               r.block_ids, r.state_slots)
                   for r, n in zip(reqs, plan.chunk_lens)]
-        hidden, positions, meta = self.prefill_hidden(chunks)
+        token_ids, positions, meta = build_prefill(chunks, self.cfg.block_size, self.cfg.max_blocks, self.device)
+        hidden = self.model(token_ids, positions, meta, self.cache)
         done = [i for i, (r, n) in enumerate(zip(reqs, plan.chunk_lens)) if r.num_computed + n == r.prefill_target]
         results = [ReqResult([], 1, 0, []) for _ in reqs]
         if not done:
@@ -81,34 +80,34 @@ class ModelRunner:
             sampled = self.tp.broadcast(tokens[:, 0].contiguous()).tolist()
             for i, t in zip(done, sampled):
                 results[i].emitted = [t]
-        if self.proposer is not None:
+        if self.drafter is not None:
             # The token after each position: the next prompt token, or for a finished prompt
             # the token just sampled (a non-final chunk's last position sees the next chunk's first).
-            nxt = []
+            following = []
             sampled_of = dict(zip(done, sampled))
             for i, (r, n) in enumerate(zip(reqs, plan.chunk_lens)):
                 seq = r.all_token_ids
                 follow = seq[r.num_computed + 1:r.num_computed + n]
                 follow.append(sampled_of[i] if i in sampled_of else seq[r.num_computed + n])
-                nxt.extend(follow)
-            next_tokens = torch.tensor(nxt, dtype=torch.int64, device=self.device)
+                following.extend(follow)
+            rows = done or [0]   # observe: no row samples, the drafter only reads the step
+            inp = DraftInputs(hidden, token_ids, torch.tensor(following, dtype=torch.int64, device=self.device),
+                              positions, meta.slot_mapping, meta.logits_indices[rows], meta.block_table[rows],
+                              meta.max_seq_len, meta)
             if done:
-                last = meta.logits_indices[done]
-                drafts = self._prefill_drafts(hidden, next_tokens, positions, meta, last, meta.block_table[done])
+                drafts = self._prefill_drafts(inp)
                 drafts = self.tp.broadcast(drafts.contiguous())
                 for i, d in zip(done, drafts.tolist()):
                     results[i].drafts = d
-            else:  # fill the MTP layer's KV for these positions; no drafts yet
-                self.model.mtp_forward(next_tokens, positions, hidden, meta, self.cache, step=0)
+            else:
+                self.drafter.observe(inp, self.cache)
         return results
 
-    def _prefill_drafts(self, hidden, next_tokens, positions, meta, last, block_table):
-        """The MTP proposal after a prefill: through the graph runner when there is one."""
+    def _prefill_drafts(self, inp: DraftInputs):
+        """The proposal after a prefill: through the graph runner when there is one."""
         if self.graphs is None:
-            return self.proposer.propose(hidden, next_tokens, positions, meta.slot_mapping, meta.max_seq_len,
-                                         self.cache, last, block_table)
-        return self.graphs.prefill_proposal(hidden, next_tokens, positions, meta.slot_mapping, meta.max_seq_len,
-                                            last, block_table)
+            return self.drafter.propose(inp, self.cache)
+        return self.graphs.prefill_proposal(inp)
 
     # ---- verify -----------------------------------------------------------------------
     def _verify(self, plan: StepPlan) -> list[ReqResult]:
@@ -116,6 +115,7 @@ class ModelRunner:
         n = plan.num_reqs_padded
         rows = [UniformRow([r.all_token_ids[-1]] + r.drafts, r.num_computed, r.block_ids,
                            r.state_slots, r.num_accepted) for r in reqs]
+        meta = None
         if self.graphs is not None:
             hidden, logits, positions, token_ids = self.graphs.verify(rows, n)
         else:
@@ -134,12 +134,13 @@ class ModelRunner:
             tokens, n_emit = both[:, :B], both[:, B]
         n_list, tok_list = n_emit.tolist(), tokens.tolist()
         new_drafts = [[] for _ in reqs]
-        if self.proposer is not None:
+        if self.drafter is not None:
             if self.graphs is not None:
                 drafts_out = self.graphs.propose(tokens, n_emit)
             else:  # eager: n == R
-                next_tokens, last = pass1_inputs(token_ids.view(n, B), tokens, n_emit)
-                drafts_out = self.proposer.propose(hidden, next_tokens, positions, meta.slot_mapping,
-                                                   meta.max_seq_len, self.cache, last, meta.block_table)
+                next_tokens, last_idx = verify_outcome(token_ids.view(n, B), tokens, n_emit)
+                inp = DraftInputs(hidden, token_ids, next_tokens, positions, meta.slot_mapping, last_idx,
+                                  meta.block_table, meta.max_seq_len, meta)
+                drafts_out = self.drafter.propose(inp, self.cache)
             new_drafts = self.tp.broadcast(drafts_out[:R].contiguous()).tolist()
         return [ReqResult(tok_list[i][:n_list[i]], n_list[i], limit_list[i], new_drafts[i]) for i in range(R)]

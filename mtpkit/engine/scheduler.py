@@ -100,12 +100,14 @@ class Scheduler:
 
     def _schedule_prefill(self) -> StepPlan | None:
         budget, reqs, lens = self.cfg.max_num_batched_tokens, [], []
-        k = self.cfg.num_spec
+        # The chunk that finishes a prompt is followed by the drafter's proposal, which writes
+        # kv_lookahead positions past it.
+        ahead = self.cfg.kv_lookahead
         for r in [r for r in self.running if r.in_prefill]:
             n = min(r.prefill_target - r.num_computed, budget)
             if n <= 0:
                 break
-            extra = k if r.num_computed + n == r.prefill_target else 0
+            extra = ahead if r.num_computed + n == r.prefill_target else 0
             while not self._ensure_blocks(r, r.num_computed + n + extra):
                 # Partly prefilled requests can hold the pool between them: make room by
                 # preempting the newest one not already in this step (possibly r itself).
@@ -126,10 +128,10 @@ class Scheduler:
                 break
             target = r.num_tokens
             n = min(target, budget)
-            extra = k if n == target else 0
+            extra = ahead if n == target else 0
             # Admit only what the free pool can hold whole (prompt + the first verify step):
             # admitting a chunk of a prompt that cannot finish only starts a preemption cycle.
-            if self.blocks.num_free < self._blocks_for(target + 1 + 2 * k) or \
+            if self.blocks.num_free < self._blocks_for(target + self._verify_span) or \
                     not self._ensure_blocks(r, n + extra):
                 self.slots.free(slots)
                 break
@@ -143,12 +145,18 @@ class Scheduler:
             return None
         return StepPlan(StepKind.PREFILL, reqs, lens, len(reqs), self.cfg.bundle)
 
+    @property
+    def _verify_span(self) -> int:
+        """Positions a verify step writes from num_computed on: the bundle, then the drafter's
+        lookahead."""
+        return self.cfg.bundle + self.cfg.kv_lookahead
+
     def _schedule_verify(self, decoding: list[Request]) -> StepPlan | None:
-        k, scheduled = self.cfg.num_spec, []
+        scheduled = []
         for r in decoding:
             if r.status != Status.RUNNING:
                 continue  # preempted below while making room for an older request
-            while not self._ensure_blocks(r, r.num_computed + 1 + 2 * k):
+            while not self._ensure_blocks(r, r.num_computed + self._verify_span):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is r:

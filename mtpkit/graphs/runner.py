@@ -2,8 +2,8 @@
 
 Two graphs per size n (each holds exactly n * bundle query tokens):
 - verify[n]: target forward over the bundle tokens + logits at every bundle position;
-- propose[n]: the MTP passes (pass 1 over the bundle positions, then num_spec - 1 draft
-  passes), reading the verify graph's hidden states and the accepted counts.
+- propose[n]: the drafter's proposal (speculative.drafter), reading the verify graph's
+  hidden states and tokens and what rejection sampling emitted.
 Rejection sampling runs between them, eager (it draws from per-request generators).
 
 How a graph is captured and replayed depends on the device:
@@ -29,9 +29,8 @@ import torch
 from ..attn.metadata import UniformMetadata, UniformRow, build_uniform
 from ..config import EngineConfig
 from ..engine.cache import CacheTensors
-from ..models.qwen3_next import Qwen3NextForCausalLM
 from ..shapes import Float, Int, Tensor, checked, is_debug
-from ..speculative.mtp import MTPProposer, pass1_inputs
+from ..speculative.drafter import DraftInputs, Drafter, verify_outcome
 from .plan import CapturePlan
 from .specialize import specialized
 
@@ -44,6 +43,15 @@ CPU_TRACE_AFTER = 32
 # Longer prefills propose by direct calls: their first MTP pass is mostly arithmetic over the
 # prompt, which a trace does not speed up, and each token bucket would be another trace.
 MAX_TRACED_PREFILL = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class LastVerify:
+    """What the last `verify` ran, so that `propose` runs the matching body."""
+
+    num_reqs_padded: int
+    traced_context: int | None    # CPU: the context bucket of the trace it replayed; None otherwise
+    max_seq_len: int              # the context its body attended over
 
 
 @dataclasses.dataclass
@@ -62,11 +70,11 @@ class StaticBuffers:
 
     @classmethod
     def allocate(cls, max_reqs: int, bundle: int, max_blocks: int, device) -> "StaticBuffers":
-        def z(*shape):
+        def zeros(*shape):
             return torch.zeros(*shape, dtype=torch.int64, device=device)
         n = max_reqs * bundle
-        buf = cls(z(n), z(n), z(n), z(max_reqs), z(max_reqs, max_blocks), z(max_reqs, bundle), z(max_reqs),
-                  z(n), z(max_reqs))
+        buf = cls(zeros(n), zeros(n), zeros(n), zeros(max_reqs), zeros(max_reqs, max_blocks), zeros(max_reqs, bundle),
+                  zeros(max_reqs), zeros(n), zeros(max_reqs))
         buf.make_inert(max_reqs, bundle)
         return buf
 
@@ -91,10 +99,10 @@ class StaticBuffers:
 
 
 class GraphRunner:
-    def __init__(self, model: Qwen3NextForCausalLM, cache: CacheTensors, ecfg: EngineConfig,
-                 plan: CapturePlan, proposer: MTPProposer | None, device: torch.device):
+    def __init__(self, model, cache: CacheTensors, ecfg: EngineConfig,
+                 plan: CapturePlan, drafter: Drafter | None, device: torch.device):
         self.model, self.cache, self.cfg, self.plan = model, cache, ecfg, plan
-        self.proposer, self.device, self.bundle = proposer, device, ecfg.bundle
+        self.drafter, self.device, self.bundle = drafter, device, ecfg.bundle
         self.buf = StaticBuffers.allocate(plan.sizes[-1], self.bundle, ecfg.max_blocks, device)
         self.cuda = device.type == "cuda"
         # CPU graphs are traced unless the trace would leave something out: the model's
@@ -105,53 +113,74 @@ class GraphRunner:
         self.propose_graphs: dict = {}
         self.outputs: dict[int, dict[str, Tensor]] = {}
         self.pool = None
-        self._key = None                  # the graph the last `verify` replayed
-        self._n = 0                       # and its num_reqs_padded
+        self._last: LastVerify | None = None
         self._uses: dict = {}             # CPU: replays of each (n, context) so far
         self.prefill_graphs: dict = {}    # CPU: (tokens, n, context) -> traced MTP proposal after a prefill
         self._prefill_uses: dict = {}
 
     # ---- the captured bodies --------------------------------------------------------------
+    # Typed like every boundary (checked when called directly in debug mode; a trace or a CUDA
+    # graph records them once). The cache tensors are arguments too, not constants a trace
+    # would hold: TorchScript's optimiser may fold ops on constants, and the caches change
+    # between replays.
     def _meta(self, slot_mapping, seq_lens, block_table, state_slots, num_accepted, max_seq_len) -> UniformMetadata:
         n = seq_lens.shape[0]
         return UniformMetadata(seq_lens, block_table, slot_mapping, state_slots, num_accepted, n, n,
                                self.bundle, max_seq_len)
 
-    # The cache tensors are graph inputs too, not constants a trace would hold: TorchScript's
-    # optimiser may fold ops on constants, and the caches change between replays.
-    def _cache_args(self) -> tuple[Tensor, ...]:
-        c = self.cache
-        return tuple(t for kv in c.kv for t in kv) + tuple(c.conv) + tuple(c.ssm)
+    @checked
+    def _verify_body(
+        self, max_seq_len: int,
+        token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
+        slot_mapping: Int[Tensor, "num_tokens"], seq_lens: Int[Tensor, "num_reqs_padded"],
+        block_table: Int[Tensor, "num_reqs_padded max_blocks"], state_slots: Int[Tensor, "num_reqs_padded bundle"],
+        num_accepted: Int[Tensor, "num_reqs_padded"], *cache: Tensor,
+    ) -> tuple[Float[Tensor, "num_tokens hidden"], Float[Tensor, "num_tokens vocab"]]:
+        meta = self._meta(slot_mapping, seq_lens, block_table, state_slots, num_accepted, max_seq_len)
+        hidden = self.model(token_ids, positions, meta, self.cache.with_tensors(cache))
+        return hidden, self.model.compute_logits(hidden)
 
-    def _cache_from(self, flat) -> CacheTensors:
-        nkv, nconv = 2 * len(self.cache.kv), len(self.cache.conv)
-        kv = list(zip(flat[0:nkv:2], flat[1:nkv:2]))
-        return CacheTensors(kv, list(flat[nkv:nkv + nconv]), list(flat[nkv + nconv:]), self.cache.block_size)
+    @checked
+    def _propose_body(
+        self, max_seq_len: int,
+        hidden: Float[Tensor, "num_tokens hidden"], emitted: Int[Tensor, "num_tokens"],
+        num_emitted: Int[Tensor, "num_reqs_padded"],
+        token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
+        slot_mapping: Int[Tensor, "num_tokens"], seq_lens: Int[Tensor, "num_reqs_padded"],
+        block_table: Int[Tensor, "num_reqs_padded max_blocks"], state_slots: Int[Tensor, "num_reqs_padded bundle"],
+        num_accepted: Int[Tensor, "num_reqs_padded"], *cache: Tensor,
+    ) -> Int[Tensor, "num_reqs_padded num_spec"]:
+        n = num_emitted.shape[0]
+        next_tokens, last_idx = verify_outcome(token_ids.view(n, -1), emitted.view(n, -1), num_emitted)
+        meta = self._meta(slot_mapping, seq_lens, block_table, state_slots, num_accepted, max_seq_len)
+        inp = DraftInputs(hidden, token_ids, next_tokens, positions, slot_mapping, last_idx, block_table,
+                          max_seq_len, meta)
+        return self.drafter.propose(inp, self.cache.with_tensors(cache))
 
+    @checked
+    def _prefill_proposal_body(
+        self, max_seq_len: int,
+        hidden: Float[Tensor, "num_tokens hidden"], token_ids: Int[Tensor, "num_tokens"],
+        next_tokens: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
+        slot_mapping: Int[Tensor, "num_tokens"], last_idx: Int[Tensor, "num_reqs_padded"],
+        block_table: Int[Tensor, "num_reqs_padded max_blocks"], *cache: Tensor,
+    ) -> Int[Tensor, "num_reqs_padded num_spec"]:
+        inp = DraftInputs(hidden, token_ids, next_tokens, positions, slot_mapping, last_idx, block_table,
+                          max_seq_len)
+        return self.drafter.propose(inp, self.cache.with_tensors(cache))
+
+    # A body with its context length fixed: what is traced or captured.
     def _verify_fn(self, max_seq_len: int):
-        def verify(token_ids, positions, slot_mapping, seq_lens, block_table, state_slots, num_accepted, *cache):
-            meta = self._meta(slot_mapping, seq_lens, block_table, state_slots, num_accepted, max_seq_len)
-            hidden = self.model(token_ids, positions, meta, self._cache_from(cache))
-            return hidden, self.model.compute_logits(hidden)
-        return verify
+        return lambda *args: self._verify_body(max_seq_len, *args)
 
     def _propose_fn(self, max_seq_len: int):
-        def propose(hidden, emitted, num_emitted, token_ids, positions, slot_mapping, seq_lens, block_table,
-                    state_slots, num_accepted, *cache):
-            n = num_emitted.shape[0]
-            next_tokens, last_idx = pass1_inputs(token_ids.view(n, -1), emitted.view(n, -1), num_emitted)
-            return self.proposer.propose(hidden, next_tokens, positions, slot_mapping, max_seq_len,
-                                         self._cache_from(cache), last_idx, block_table)
-        return propose
+        return lambda *args: self._propose_body(max_seq_len, *args)
 
     def _prefill_fn(self, max_seq_len: int):
-        def prefill_proposal(hidden, next_tokens, positions, slot_mapping, last, block_table, *cache):
-            return self.proposer.propose(hidden, next_tokens, positions, slot_mapping, max_seq_len,
-                                         self._cache_from(cache), last, block_table)
-        return prefill_proposal
+        return lambda *args: self._prefill_proposal_body(max_seq_len, *args)
 
     def _verify_args(self, n: int) -> tuple[Tensor, ...]:
-        return self.buf.inputs(n, self.bundle) + self._cache_args()
+        return self.buf.inputs(n, self.bundle) + self.cache.tensors()
 
     def _propose_args(self, n: int, hidden: Float[Tensor, "num_tokens hidden"]) -> tuple[Tensor, ...]:
         B, buf = self.bundle, self.buf
@@ -175,14 +204,14 @@ class GraphRunner:
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: allocator, kernels' first-launch work
                     hidden, _ = verify(*args)
-                    if self.proposer is not None:
+                    if self.drafter is not None:
                         propose(*self._propose_args(n, hidden))
             torch.cuda.current_stream().wait_stream(stream)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
                 hidden, logits = verify(*args)
             self.verify_graphs[n], self.outputs[n] = g, {"hidden": hidden, "logits": logits}
-            if self.proposer is not None:
+            if self.drafter is not None:
                 gp = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(gp, pool=self.pool):
                     drafts = propose(*self._propose_args(n, hidden))
@@ -204,7 +233,7 @@ class GraphRunner:
             args = self._verify_args(n)
             verify = self._trace(self._verify_fn(context), args, f"verify_{n}_{context}")
             propose = None
-            if self.proposer is not None:
+            if self.drafter is not None:
                 hidden, _ = verify(*args)
                 propose = self._trace(self._propose_fn(context), self._propose_args(n, hidden),
                                       f"propose_{n}_{context}")
@@ -263,17 +292,16 @@ class GraphRunner:
         buf.num_accepted[:n].copy_(meta.num_accepted)
         if self.cuda:
             self.verify_graphs[n].replay()
-            self._key = n
+            self._last = LastVerify(n, None, self.cfg.max_positions)
             out = self.outputs[n]
         else:
             if traced:
-                self._key = (n, context)
+                self._last = LastVerify(n, context, context)
                 hidden, logits = verify(*self._verify_args(n))
             else:
-                self._key = (n, None, meta.max_seq_len)
-                hidden, logits = self._verify_fn(meta.max_seq_len)(*self._verify_args(n))
+                self._last = LastVerify(n, None, meta.max_seq_len)
+                hidden, logits = self._verify_body(meta.max_seq_len, *self._verify_args(n))
             out = self.outputs[n] = {"hidden": hidden, "logits": logits}
-        self._n = n
         return out["hidden"], out["logits"], buf.positions[:n * B], buf.token_ids[:n * B]
 
     @checked
@@ -281,7 +309,8 @@ class GraphRunner:
                 ) -> Int[Tensor, "num_reqs num_spec"]:
         """Replay propose[n] for the rows filled by the last `verify`, which emitted
         emitted[i, :num_emitted[i]] (padded rows: one token 0)."""
-        n, (R, B), buf = self._n, emitted.shape, self.buf
+        last = self._last
+        n, (R, B), buf = last.num_reqs_padded, emitted.shape, self.buf
         buf.emitted[:R * B].view(R, B).copy_(emitted)
         buf.emitted[R * B:n * B].zero_()
         buf.num_emitted[:R].copy_(num_emitted)
@@ -290,26 +319,23 @@ class GraphRunner:
             self.propose_graphs[n].replay()
             return self.outputs[n]["drafts"][:R]
         args = self._propose_args(n, self.outputs[n]["hidden"])
-        if self._key[1] is not None:  # traced
-            return self.propose_graphs[self._key](*args)[:R]
-        return self._propose_fn(self._key[2])(*args)[:R]
+        if last.traced_context is not None:
+            return self.propose_graphs[n, last.traced_context](*args)[:R]
+        return self._propose_body(last.max_seq_len, *args)[:R]
 
     @checked
-    def prefill_proposal(self, hidden: Float[Tensor, "num_tokens hidden"], next_tokens: Int[Tensor, "num_tokens"],
-                         positions: Int[Tensor, "num_tokens"], slot_mapping: Int[Tensor, "num_tokens"],
-                         max_seq_len: int, last: Int[Tensor, "num_reqs"],
-                         block_table: Int[Tensor, "num_reqs max_blocks"]) -> Int[Tensor, "num_reqs num_spec"]:
-        """The MTP proposal after a prefill step (MTPProposer.propose) for the prefills that
-        finished (`last`: their last tokens). On CPU, traced like a decode step: tokens padded
+    def prefill_proposal(self, inp: DraftInputs) -> Int[Tensor, "num_reqs_padded num_spec"]:
+        """The drafter's proposal after a prefill step, for the prefills that finished
+        (`inp.last_idx`: their last tokens). On CPU, traced like a decode step: tokens padded
         to a power of two (at least 16; padding tokens write the null slot) and rows to a graph
         size (inert rows: null block), keyed by (tokens, rows, context bucket). Elsewhere (CUDA,
-        where prefill runs eager; TP; debug; more tokens than MAX_TRACED_PREFILL) called
-        directly."""
-        T, R = hidden.shape[0], last.shape[0]
-        if (not self.trace or is_debug() or R > self.plan.max_num_seqs or T > MAX_TRACED_PREFILL):
-            return self.proposer.propose(hidden, next_tokens, positions, slot_mapping, max_seq_len, self.cache,
-                                         last, block_table)
-        t, n, context = max(16, 1 << (T - 1).bit_length()), self.plan.dispatch(R), self.context_bucket(max_seq_len)
+        where prefill runs eager; TP; debug; more tokens than MAX_TRACED_PREFILL; a drafter
+        that runs over the step's own metadata) called directly."""
+        T, R = inp.hidden.shape[0], inp.last_idx.shape[0]
+        if (not self.trace or is_debug() or self.drafter.needs_step_metadata or R > self.plan.max_num_seqs
+                or T > MAX_TRACED_PREFILL):
+            return self.drafter.propose(inp, self.cache)
+        t, n, context = max(16, 1 << (T - 1).bit_length()), self.plan.dispatch(R), self.context_bucket(inp.max_seq_len)
         key = (t, n, context)
         uses = self._prefill_uses[key] = self._prefill_uses.get(key, 0) + 1
         fn = self.prefill_graphs.get(key)
@@ -317,18 +343,18 @@ class GraphRunner:
         def pad(x, size):
             return x if x.shape[0] == size else torch.cat([x, x.new_zeros((size - x.shape[0],) + tuple(x.shape[1:]))])
         if fn is None and uses > self.trace_after:
-            inert = (hidden.new_zeros(t, hidden.shape[1]),) + tuple(positions.new_zeros(t) for _ in range(3)) + (
-                last.new_zeros(n), block_table.new_zeros(n, block_table.shape[1]))
+            hidden, last_idx, block_table = inp.hidden, inp.last_idx, inp.block_table
+            inert = (hidden.new_zeros(t, hidden.shape[1]),) + tuple(last_idx.new_zeros(t) for _ in range(4)) + (
+                last_idx.new_zeros(n), block_table.new_zeros(n, block_table.shape[1]))
             try:
-                fn = self.prefill_graphs[key] = self._trace(self._prefill_fn(context), inert + self._cache_args(),
+                fn = self.prefill_graphs[key] = self._trace(self._prefill_fn(context), inert + self.cache.tensors(),
                                                             f"prefill_proposal_{t}_{n}_{context}")
             except Exception as e:  # noqa: BLE001 - the direct call below needs no tracer
                 self._trace_failed(e)
         if fn is None:
-            return self.proposer.propose(hidden, next_tokens, positions, slot_mapping, max_seq_len, self.cache,
-                                         last, block_table)
-        return fn(pad(hidden, t), pad(next_tokens, t), pad(positions, t), pad(slot_mapping, t), pad(last, n),
-                  pad(block_table, n), *self._cache_args())[:R]
+            return self.drafter.propose(inp, self.cache)
+        return fn(pad(inp.hidden, t), pad(inp.token_ids, t), pad(inp.next_tokens, t), pad(inp.positions, t),
+                  pad(inp.slot_mapping, t), pad(inp.last_idx, n), pad(inp.block_table, n), *self.cache.tensors())[:R]
 
     def describe(self) -> str:
         mode = ("CUDA graphs" if self.cuda else "TorchScript traces on CPU" if self.trace

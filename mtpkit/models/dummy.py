@@ -3,12 +3,11 @@ checks at real layer shapes without writing a multi-GB checkpoint. Deterministic
 so two engines built with the same seed hold the same weights."""
 
 import torch
-
-from .qwen3_next import Qwen3NextForCausalLM
+from torch import nn
 
 
 @torch.no_grad()
-def init_dummy_weights(model: Qwen3NextForCausalLM, dtype: torch.dtype, device: torch.device,
+def init_dummy_weights(model: nn.Module, dtype: torch.dtype, device: torch.device,
                        seed: int = 0, std: float = 0.02) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in sorted(model.named_parameters()):

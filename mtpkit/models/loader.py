@@ -1,5 +1,7 @@
-"""Load a Hugging Face Qwen3-Next checkpoint (model.safetensors, or a sharded index) into the
-model, by the checkpoint's own names.
+"""Load a Hugging Face checkpoint (model.safetensors, or a sharded index) into a model of any
+family, by the checkpoint's own names: each parameter's `WeightSpec` comes from the module
+that owns it (`checkpoint_specs`) or, for a plain parameter, from the model's
+`checkpoint_name`.
 
 Every check runs on the safetensors headers first (names and shapes, no data read), and every
 missing, unexpected or misshapen weight is reported in one `CheckpointError` (every rank checks
@@ -9,14 +11,12 @@ slices its parameters hold: tensors are opened lazily (`Stored`) and read by `.n
 
 import json
 from pathlib import Path
-from typing import Callable
-
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from ..errors import CheckpointError
-from .qwen3_next import GatedDeltaNet, Qwen3NextForCausalLM
-from .weights import WeightSpec, narrow, read
+from .weights import WeightSpec, read
 
 
 class Stored:
@@ -47,10 +47,6 @@ def checkpoint_index(path: Path) -> dict[str, Path]:
     raise CheckpointError(f"{path} holds neither model.safetensors nor model.safetensors.index.json")
 
 
-def has_mtp_weights(path: Path) -> bool:
-    return any(n.startswith("mtp.") for n in checkpoint_index(path))
-
-
 def _shapes(index: dict[str, Path]) -> dict[str, tuple[int, ...]]:
     shapes, by_file = {}, {}
     for name, f in index.items():
@@ -67,45 +63,35 @@ def _shapes(index: dict[str, Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def weight_specs(model: Qwen3NextForCausalLM) -> list[WeightSpec]:
-    """Every parameter with the checkpoint tensors it is made from (see weights.py)."""
-    cfg, tp = model.cfg, model.tp
-    V, H = cfg.vocab_size, cfg.hidden_size
+def weight_specs(model: nn.Module) -> list[WeightSpec]:
+    """Every parameter with the checkpoint tensors it is made from (see weights.py). The model
+    provides `embed_tokens` and `lm_head` (None when tied; both vocab-parallel) and
+    `checkpoint_name(parameter name)`; modules with merged or sharded layouts provide
+    `checkpoint_specs(checkpoint prefix)`; every other parameter is replicated as stored."""
+    tp, V = model.tp, model.cfg.vocab_size
     specs: list[WeightSpec] = []
 
-    def simple(p, name, shape, assemble=lambda x: read(x), export=lambda w: w):
-        specs.append(WeightSpec(p, {name: shape}, lambda t: assemble(t[name]), lambda w: {name: export(w)}))
+    def simple(p, name, shape, assemble=read):
+        specs.append(WeightSpec(p, {name: shape}, lambda t: assemble(t[name]), lambda w: {name: w}))
 
     # Vocab-parallel: rank r holds rows r*ceil(V/size) ... (zero-padded past V).
-    simple(model.embed_tokens, "model.embed_tokens.weight", (V, H), lambda x: tp.shard_padded(x, 0))
-    if model.lm_head is not None:
-        simple(model.lm_head, "lm_head.weight", (V, H), lambda x: tp.shard_padded(x, 0))
+    for pname in ("embed_tokens", "lm_head"):
+        p = getattr(model, pname)
+        if p is not None:
+            simple(p, model.checkpoint_name(pname + ".weight"), (V, p.shape[1]), lambda x: tp.shard_padded(x, 0))
     owned = {id(model.embed_tokens), id(model.lm_head)}
     for mname, m in model.named_modules():
-        if mname and hasattr(m, "checkpoint_specs"):  # linear family, MoE: merged layouts
-            for spec in m.checkpoint_specs(_checkpoint_name(mname)):
+        if mname and hasattr(m, "checkpoint_specs"):  # linear family, MoE, ...: their own layouts
+            for spec in m.checkpoint_specs(model.checkpoint_name(mname)):
                 specs.append(spec)
                 owned.add(id(spec.param))
-    modules = dict(model.named_modules())
     for pname, p in model.named_parameters():
-        if id(p) in owned:
-            continue
-        owner_name, _, leaf = pname.rpartition(".")
-        ck = _checkpoint_name(pname)
-        if leaf == "conv_weight":
-            specs.append(_conv_spec(modules[owner_name], p, ck.rpartition(".")[0], cfg, tp))
-        elif leaf in ("A_log", "dt_bias"):
-            simple(p, ck, (cfg.linear_num_value_heads,), lambda x: tp.shard(x, 0))
-        else:  # norms: replicated, same shape everywhere
-            simple(p, ck, tuple(p.shape))
+        if id(p) not in owned:  # norms and the like: replicated, same shape everywhere
+            simple(p, model.checkpoint_name(pname), tuple(p.shape))
     return specs
 
 
-def _checkpoint_name(name: str) -> str:
-    return name if name.startswith("mtp.") else "model." + name
-
-
-def export_state_dict(model: Qwen3NextForCausalLM) -> dict[str, torch.Tensor]:
+def export_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters under the checkpoint's names and shapes (the inverse of loading;
     single rank)."""
     if model.tp.size != 1:
@@ -118,46 +104,14 @@ def export_state_dict(model: Qwen3NextForCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-def _conv_spec(owner: GatedDeltaNet, p, prefix: str, cfg, tp) -> WeightSpec:
-    # Channels are [q (Dk) | k (Dk) | v (Dv)]: each segment is sharded on its own.
-    name = prefix + ".conv1d.weight"
-
-    def assemble(t):
-        w, parts, start = t[name], [], 0
-        for seg in (cfg.key_dim, cfg.key_dim, cfg.value_dim):
-            part = seg // tp.size
-            parts.append(narrow(w, 0, start + tp.rank * part, part))
-            start += seg
-        return torch.cat(parts, dim=0).squeeze(1)
-
-    return WeightSpec(p, {name: (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim)}, assemble,
-                      lambda w: {name: w.unsqueeze(1)})
-
-
-def _fused_expert_aliases(shapes: dict, cfg) -> dict[str, tuple[str, Callable]]:
-    """Checkpoints written with experts already fused (experts.gate_up_proj [E, 2I, H],
-    experts.down_proj [E, H, I]) are read as if split per expert."""
-    aliases = {}
-    for name in shapes:
-        if name.endswith(".experts.gate_up_proj"):
-            ex, I = name[: -len(".gate_up_proj")], cfg.moe_intermediate_size
-            for e in range(cfg.num_experts):
-                aliases[f"{ex}.{e}.gate_proj.weight"] = (name, lambda t, e=e: t[e, :I])
-                aliases[f"{ex}.{e}.up_proj.weight"] = (name, lambda t, e=e: t[e, I:])
-        elif name.endswith(".experts.down_proj"):
-            ex = name[: -len(".down_proj")]
-            for e in range(cfg.num_experts):
-                aliases[f"{ex}.{e}.down_proj.weight"] = (name, lambda t, e=e: t[e])
-    return aliases
-
-
-def load_checkpoint(model: Qwen3NextForCausalLM, path: str | Path, dtype: torch.dtype,
+def load_checkpoint(model: nn.Module, path: str | Path, dtype: torch.dtype,
                     device: torch.device) -> None:
     """Check every name and shape, then load every parameter as `dtype` on `device`."""
     path = Path(path)
     index = checkpoint_index(path)
     shapes = _shapes(index)
-    aliases = _fused_expert_aliases(shapes, model.cfg)
+    # Other layouts of the same tensors a model can read (e.g. fused experts): name -> (stored, cut).
+    aliases = model.checkpoint_aliases(shapes) if hasattr(model, "checkpoint_aliases") else {}
     specs = weight_specs(model)
     expected = {n: s for spec in specs for n, s in spec.sources.items()}
 
@@ -171,7 +125,7 @@ def load_checkpoint(model: Qwen3NextForCausalLM, path: str | Path, dtype: torch.
     missing = [n for n in expected if n not in shapes and n not in aliases]
     misshapen = [(n, expected[n], found_shape(n)) for n in expected
                  if n not in missing and found_shape(n) != tuple(expected[n])]
-    ignorable = ("mtp.",) if model.mtp is None else ()
+    ignorable = model.ignored_checkpoint_prefixes() if hasattr(model, "ignored_checkpoint_prefixes") else ()
     unexpected = [n for n in shapes if n not in expected and n not in used_fused
                   and not n.startswith(ignorable)]
     if missing or misshapen or unexpected:
@@ -202,3 +156,17 @@ def load_checkpoint(model: Qwen3NextForCausalLM, path: str | Path, dtype: torch.
     handles.clear()
     for buf in model.buffers():  # RoPE frequencies stay fp32
         buf.data = buf.data.to(device)
+
+
+def build_model(family, cfg, path: Path, *, ops, tp, dtype: torch.dtype, device: torch.device,
+                load_format: str, seed: int, **kwargs) -> nn.Module:
+    """A model of `family` with its weights: read from the checkpoint at `path`, or random
+    (`load_format="dummy"`, deterministic in `seed`); then laid out for the device."""
+    from .dummy import init_dummy_weights
+    model = family.model_class(cfg, ops, tp, **kwargs)
+    if load_format == "dummy":
+        init_dummy_weights(model, dtype, device, seed)
+    else:
+        load_checkpoint(model, path, dtype, device)
+    model.set_weight_layout(device)
+    return model

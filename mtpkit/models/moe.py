@@ -199,3 +199,21 @@ class SparseMoE(nn.Module):
             down = self.w_out[:, S + local * I:S + (local + 1) * I]
             out.index_add_(0, tok, linear(F.silu(g) * u * weights.flatten()[idx, None], down))
         return out + linear(self._shared_act(h), self.w_out[:, :S]) if self.s else out
+
+
+def fused_expert_aliases(shapes: dict, num_experts: int, intermediate: int) -> dict:
+    """Checkpoints written with experts already fused (experts.gate_up_proj [E, 2I, H],
+    experts.down_proj [E, H, I]) are read as if split per expert: per-expert name ->
+    (fused name, how to cut it)."""
+    aliases = {}
+    for name in shapes:
+        if name.endswith(".experts.gate_up_proj"):
+            ex = name[: -len(".gate_up_proj")]
+            for e in range(num_experts):
+                aliases[f"{ex}.{e}.gate_proj.weight"] = (name, lambda t, e=e: t[e, :intermediate])
+                aliases[f"{ex}.{e}.up_proj.weight"] = (name, lambda t, e=e: t[e, intermediate:])
+        elif name.endswith(".experts.down_proj"):
+            ex = name[: -len(".down_proj")]
+            for e in range(num_experts):
+                aliases[f"{ex}.{e}.down_proj.weight"] = (name, lambda t, e=e: t[e])
+    return aliases

@@ -10,20 +10,27 @@ from torch import nn
 
 from ..attn.backend import AttnBackend
 from ..attn.metadata import PrefillMetadata, UniformMetadata
-from ..config import FULL, Qwen3NextConfig
 from ..engine.cache import CacheTensors
+from ..engine.cache_spec import CacheSpec, KVGroup, StateGroup, StateTensor
 from ..errors import ConfigError
 from ..parallel import TP
 from ..shapes import Float, Int, Tensor, checked
 from .layers import (MLP, GatedRMSNorm, Linear, MergedColumnParallelLinear, PartialRoPE, RMSNorm, rms_norm_heads,
                      RowParallelLinear, vocab_parallel_embedding, vocab_parallel_logits)
-from .moe import SparseMoE
-from .weights import shard_range
+from .moe import SparseMoE, fused_expert_aliases
+from .qwen3_next_config import FULL, Qwen3NextConfig
+from .weights import WeightSpec, narrow, shard_range
 
 Metadata = PrefillMetadata | UniformMetadata
+KV_GROUP, MTP_KV_GROUP, STATE_GROUP = "attention", "mtp", "gdn"
 
 
-def check_tensor_parallel(cfg: Qwen3NextConfig, size: int, with_mtp: bool) -> None:
+def _attention_kv_group(cfg: Qwen3NextConfig, name: str, num_layers: int, tp_size: int) -> KVGroup:
+    # KV heads split across ranks, replicated when there are fewer than ranks.
+    return KVGroup(name, num_layers, max(1, cfg.num_key_value_heads // tp_size), cfg.head_dim)
+
+
+def check_tensor_parallel(cfg: Qwen3NextConfig, size: int, with_mtp: bool = False) -> None:
     """ConfigError naming every dimension that `size` ranks cannot split. Needs config.json
     only, so the user hears all of them before any weight is read."""
     if size < 2:
@@ -67,9 +74,9 @@ class FullAttention(nn.Module):
     [q of every head | k | gate of every head | v], so q and k are adjacent: they are
     rotated together, and every piece is a view of the one matmul's output."""
 
-    def __init__(self, cfg: Qwen3NextConfig, kv_index: int, tp: TP, ops: AttnBackend):
+    def __init__(self, cfg: Qwen3NextConfig, kv_group: str, kv_index: int, tp: TP, ops: AttnBackend):
         super().__init__()
-        self.kv_index, self.ops, self.hd = kv_index, ops, cfg.head_dim
+        self.kv_group, self.kv_index, self.ops, self.hd = kv_group, kv_index, ops, cfg.head_dim
         hd = self.hd
         # Query heads split evenly (q_proj rows are [q | gate] per head, so whole heads);
         # KV heads split too, or replicated when there are fewer than ranks.
@@ -115,19 +122,19 @@ class FullAttention(nn.Module):
         v = h[:, (2 * hq + hkv) * hd:].view(-1, hkv, hd)
         qk = rms_norm_heads(qk_raw, [(self.q_norm, hq), (self.k_norm, hkv)])
         qk = self.rope(positions, qk)
-        k_cache, v_cache = cache.kv[self.kv_index]
+        k_cache, v_cache = cache.kv[self.kv_group][self.kv_index]
         self.ops.write_kv(qk[:, hq:], v, k_cache, v_cache, slot_mapping)
         return qk[:, :hq], gate
 
     def _attend(self, q: Float[Tensor, "num_queries heads head_dim"], gate: Float[Tensor, "num_queries _"], meta: Metadata,
                 cache: CacheTensors) -> Float[Tensor, "num_queries hidden"]:
         hq, hd = self.heads, self.hd
-        k_cache, v_cache = cache.kv[self.kv_index]
+        k_cache, v_cache = cache.kv[self.kv_group][self.kv_index]
         if isinstance(meta, PrefillMetadata):
             o = self.ops.paged_attention_prefill(q, k_cache, v_cache, meta.query_start_loc,
                                                  meta.seq_lens, meta.block_table, self.scale)
         else:
-            R, B = meta.num_reqs_padded, meta.bundle
+            R, B = meta.num_reqs_padded, meta.q_len
             o = self.ops.paged_attention_verify(q.view(R, B, hq, hd), k_cache, v_cache,
                                                 meta.seq_lens, meta.block_table, self.scale,
                                                 max_seq_len=meta.max_seq_len, kv_slots=meta.kv_slots)
@@ -148,7 +155,8 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, cfg: Qwen3NextConfig, state_index: int, tp: TP, ops: AttnBackend):
         super().__init__()
-        self.state_index, self.ops = state_index, ops
+        self.state_index, self.ops, self.tp = state_index, ops, tp
+        self.segments = (cfg.key_dim, cfg.key_dim, cfg.value_dim)   # conv channels [q | k | v], full
         self.hk = tp.split(cfg.linear_num_key_heads, what="linear_num_key_heads")
         self.hv = tp.split(cfg.linear_num_value_heads, what="linear_num_value_heads")
         self.dk, self.dv, self.W = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
@@ -174,22 +182,25 @@ class GatedDeltaNet(nn.Module):
         h = self.in_proj(x)                            # [T, q | k | v | z | b | a]
         mixed, z = h[:, :C], h[:, C:C + hv * dv].view(T, hv, dv)
         b, a = h[:, C + hv * dv:C + hv * dv + hv], h[:, C + hv * dv + hv:]
-        conv_state, ssm_state = cache.conv[self.state_index], cache.ssm[self.state_index]
+        state = cache.state[STATE_GROUP][self.state_index]
+        conv_state, ssm_state = state["conv"], state["ssm"]
         if isinstance(meta, PrefillMetadata):
+            # A prefill keeps the conv window in the request's first slot and leaves the
+            # recurrent state in its last (as if the whole bundle was accepted).
             mixed = self.ops.causal_conv1d_prefill(mixed, self.conv_weight, conv_state, meta.query_start_loc,
-                                                   meta.conv_slots, meta.has_initial_state)
+                                                   meta.state_slots[:, 0], meta.has_initial_state)
         else:
-            R, B = meta.num_reqs_padded, meta.bundle
+            R, B = meta.num_reqs_padded, meta.q_len
             mixed = self.ops.causal_conv1d_verify(mixed.view(R, B, -1), self.conv_weight, conv_state,
                                                   meta.state_slots[:, 0], meta.num_accepted).reshape(T, -1)
         q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.view(T, hk, dk), k.view(T, hk, dk), v.view(T, hv, dv)
         if isinstance(meta, PrefillMetadata):
+            last = meta.state_slots[:, -1]
             o = self.ops.gated_delta_rule_prefill(q, k, v, a, b, self.A_log, self.dt_bias, ssm_state,
-                                                  meta.query_start_loc, meta.ssm_slots, meta.ssm_slots,
-                                                  meta.has_initial_state)
+                                                  meta.query_start_loc, last, last, meta.has_initial_state)
         else:
-            R, B = meta.num_reqs_padded, meta.bundle
+            R, B = meta.num_reqs_padded, meta.q_len
             o = self.ops.gated_delta_rule_verify(
                 q.view(R, B, hk, dk), k.view(R, B, hk, dk), v.view(R, B, hv, dv), a.view(R, B, hv),
                 b.view(R, B, hv), self.A_log, self.dt_bias, ssm_state, meta.state_slots, meta.num_accepted)
@@ -197,13 +208,36 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o)
 
 
+    def checkpoint_specs(self, prefix: str) -> list[WeightSpec]:
+        """The conv weight (checkpoint [conv_dim, 1, W]; channels [q | k | v], each segment
+        sharded on its own), A_log and dt_bias (value heads, sharded). The projections and
+        the norm describe themselves."""
+        tp, conv_name = self.tp, prefix + ".conv1d.weight"
+
+        def conv(t):
+            parts, start = [], 0
+            for seg in self.segments:
+                part = seg // tp.size
+                parts.append(narrow(t[conv_name], 0, start + tp.rank * part, part))
+                start += seg
+            return torch.cat(parts, dim=0).squeeze(1)
+
+        specs = [WeightSpec(self.conv_weight, {conv_name: (sum(self.segments), 1, self.W)}, conv,
+                            lambda w: {conv_name: w.unsqueeze(1)})]
+        for leaf in ("A_log", "dt_bias"):
+            name = f"{prefix}.{leaf}"
+            specs.append(WeightSpec(getattr(self, leaf), {name: (self.hv * tp.size,)},
+                                    lambda t, name=name: tp.shard(t[name], 0), lambda w, name=name: {name: w}))
+        return specs
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3NextConfig, kind: str, moe: bool, cache_index: int, tp: TP,
+    def __init__(self, cfg: Qwen3NextConfig, kind: str, moe: bool, cache_group: str, cache_index: int, tp: TP,
                  ops: AttnBackend):
         super().__init__()
         self.kind = kind
         if kind == FULL:
-            self.self_attn = FullAttention(cfg, cache_index, tp, ops)
+            self.self_attn = FullAttention(cfg, cache_group, cache_index, tp, ops)
         else:
             self.linear_attn = GatedDeltaNet(cfg, cache_index, tp, ops)
         if moe:
@@ -241,14 +275,14 @@ class MTPModule(nn.Module):
     MoE decoder layer (own paged KV, same positions as the target) -> mtp.norm. Its output is
     both the hidden state for the next draft pass and the input of the shared lm_head."""
 
-    def __init__(self, cfg: Qwen3NextConfig, first_kv_index: int, tp: TP, ops: AttnBackend):
+    def __init__(self, cfg: Qwen3NextConfig, tp: TP, ops: AttnBackend):
         super().__init__()
         H = cfg.hidden_size
         self.pre_fc_norm_embedding = RMSNorm(H, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(H, cfg.rms_norm_eps)
         self.fc = Linear(2 * H, H, tp)  # replicated (small); its decoder layer is sharded as the target's
         self.layers = nn.ModuleList([
-            DecoderLayer(cfg, FULL, cfg.num_experts > 0, first_kv_index + i, tp, ops)
+            DecoderLayer(cfg, FULL, cfg.num_experts > 0, MTP_KV_GROUP, i, tp, ops)
             for i in range(cfg.num_nextn_predict_layers)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
 
@@ -289,12 +323,44 @@ class Qwen3NextForCausalLM(nn.Module):
         for i, kind in enumerate(cfg.layer_types):
             idx = n_full if kind == FULL else n_lin
             n_full, n_lin = n_full + (kind == FULL), n_lin + (kind != FULL)
-            layers.append(DecoderLayer(cfg, kind, cfg.is_moe_layer(i), idx, tp, ops))
+            group = KV_GROUP if kind == FULL else STATE_GROUP
+            layers.append(DecoderLayer(cfg, kind, cfg.is_moe_layer(i), group, idx, tp, ops))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(Vp, H), requires_grad=False)
-        self.mtp = MTPModule(cfg, n_full, tp, ops) if with_mtp else None
-        self.num_kv_layers = n_full + (cfg.num_nextn_predict_layers if with_mtp else 0)
+        self.mtp = MTPModule(cfg, tp, ops) if with_mtp else None
+
+    # ---- what the engine reads before building the model (config.json alone) ----------
+    check_tensor_parallel = staticmethod(check_tensor_parallel)
+
+    @staticmethod
+    def cache_spec(cfg: Qwen3NextConfig, *, num_spec: int, tp_size: int = 1) -> CacheSpec:
+        """Paged KV for the full-attention layers; for the GDN layers a conv window of
+        W - 1 + num_spec columns (a verify step may restart at any accepted count) and the
+        fp32 recurrent state."""
+        return CacheSpec(
+            kv=(_attention_kv_group(cfg, KV_GROUP, len(cfg.full_layers), tp_size),),
+            state=(StateGroup(STATE_GROUP, len(cfg.linear_layers), {
+                "conv": StateTensor((cfg.conv_dim // tp_size, cfg.linear_conv_kernel_dim - 1 + num_spec)),
+                "ssm": StateTensor((cfg.linear_num_value_heads // tp_size, cfg.linear_key_head_dim,
+                                    cfg.linear_value_head_dim), fp32=True)}),))
+
+    @staticmethod
+    def mtp_cache_spec(cfg: Qwen3NextConfig, tp_size: int = 1) -> CacheSpec:
+        """The MTP layers' own paged KV (what the MTP drafter adds to the target's)."""
+        return CacheSpec(kv=(_attention_kv_group(cfg, MTP_KV_GROUP, cfg.num_nextn_predict_layers, tp_size),))
+
+    # ---- checkpoint names --------------------------------------------------------------
+    @staticmethod
+    def checkpoint_name(param_name: str) -> str:
+        return param_name if param_name.startswith(("mtp.", "lm_head")) else "model." + param_name
+
+    def ignored_checkpoint_prefixes(self) -> tuple[str, ...]:
+        """Checkpoint tensors this model leaves unread: the MTP head when it is not built."""
+        return ("mtp.",) if self.mtp is None else ()
+
+    def checkpoint_aliases(self, shapes: dict) -> dict:
+        return fused_expert_aliases(shapes, self.cfg.num_experts, self.cfg.moe_intermediate_size)
 
     def set_weight_layout(self, device: torch.device) -> None:
         """On CPU, store every matrix that only multiplies (x @ W^T) column-major: BLAS's

@@ -1,0 +1,31 @@
+"""Speculative decoding: the drafter interface (drafter.py), its implementations (mtp.py: the
+Qwen3-Next MTP head; draft_model.py: a small model of a supported family) and lossless
+verification (rejection.py).
+
+`setup_drafter` picks the drafter from the target's family and an optional draft checkpoint,
+from config.json files alone, before any weight is read.
+"""
+
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..models.registry import ModelFamily, read_config, resolve_model
+from .drafter import DraftSetup
+
+
+def setup_drafter(family: ModelFamily, cfg, path: Path, *, num_spec: int, draft_model, block_size: int,
+                  load_format: str) -> DraftSetup | None:
+    if num_spec == 0:
+        if draft_model is not None:
+            raise ConfigError("draft_model= is given but num_spec=0; pass num_spec >= 1 to draft with it")
+        return None
+    if draft_model is not None:
+        from . import draft_model as dm
+        draft_path = resolve_model(draft_model)
+        draft_family, draft_cfg = read_config(draft_path)
+        return dm.setup(draft_family, draft_cfg, draft_path, cfg, num_spec, block_size)
+    if family.default_drafter == "mtp":
+        from . import mtp
+        return mtp.setup(cfg, path, num_spec, block_size, load_format)
+    raise ConfigError(f"num_spec={num_spec} needs a drafter, and model type {family.model_type!r} has no built-in "
+                      "one; pass draft_model= (a checkpoint directory or built-in name)")
