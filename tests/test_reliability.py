@@ -1,0 +1,285 @@
+"""Reliability: an interrupted or abandoned call leaves nothing behind, and a call is refused
+whole before anything of it is queued.
+
+- A KeyboardInterrupt (or any exception) inside `generate`, at prefill, at verify or inside a
+  graph replay: the call's requests are aborted before control returns (KV blocks and state
+  slots back in the pools, nothing waiting or running), the next call's output equals a fresh
+  engine's, and requests queued outside the call (`add_request`) still give their tokens.
+- A `stream` generator closed or garbage-collected early aborts its requests.
+- `LLM.abort(ids)` frees a request's storage at once and finishes it with "abort".
+- Every prompt and SamplingParams of a call is validated (seed range included) before any is
+  queued.
+"""
+
+import gc
+
+import pytest
+
+import mtpkit.engine.runner as runner_mod
+from mtpkit import LLM, InputError, SamplingParams
+from mtpkit.engine.request import Status
+from mtpkit.engine.scheduler import StepKind
+
+MODEL = "tiny-qwen3-next"
+PROMPTS = ["def f():", "import os\n", "class Stack:", "x = [1, 2"]
+SP = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def _engine(traced: bool = False, **kw) -> LLM:
+    llm = LLM(MODEL, num_spec=2, enforce_eager=not traced, **kw)
+    if traced:
+        llm.runner.graphs.trace_after = 0   # trace on first use: every verify step replays a trace
+    return llm
+
+
+_REFERENCE: dict = {}
+
+
+def _reference(traced: bool) -> list[list[int]]:
+    """Greedy token ids of PROMPTS on a fresh engine of the same kind."""
+    if traced not in _REFERENCE:
+        _REFERENCE[traced] = [o.token_ids for o in _engine(traced).generate(PROMPTS, SP)]
+    return _REFERENCE[traced]
+
+
+def _free(llm: LLM) -> tuple[int, int]:
+    return llm.blocks.num_free, llm.slots.num_free
+
+
+def _fresh_free(llm: LLM) -> tuple[int, int]:
+    """What a fresh engine of this size has free: every block but the null one, every slot group."""
+    return llm.blocks.num_blocks - 1, llm.slots.capacity
+
+
+def _assert_idle(llm: LLM) -> None:
+    assert not llm.scheduler.waiting and not llm.scheduler.running, "requests left in the scheduler"
+    assert _free(llm) == _fresh_free(llm), "KV blocks or state slots not returned to the pools"
+
+
+class Fault:
+    """Raise KeyboardInterrupt once, on the `at`-th call of the wrapped function (1-based)."""
+
+    def __init__(self, real, at: int = 1, after: bool = False, exc=KeyboardInterrupt):
+        self.real, self.at, self.after, self.exc, self.calls, self.fired = real, at, after, exc, 0, False
+
+    def __call__(self, *a, **k):
+        self.calls += 1
+        fire = self.calls == self.at
+        if fire and not self.after:
+            self.fired = True
+            raise self.exc("injected")
+        out = self.real(*a, **k)
+        if fire:   # after the real work ran: caches written, results not applied
+            self.fired = True
+            raise self.exc("injected")
+        return out
+
+
+def _plans(llm: LLM, monkeypatch) -> list:
+    """Records the requests of every step from now on."""
+    seen = []
+    real = llm.runner.execute
+
+    def execute(plan):
+        seen.append((plan.kind, [r.req_id for r in plan.reqs]))
+        return real(plan)
+    monkeypatch.setattr(llm.runner, "execute", execute)
+    return seen
+
+
+def _arm(llm: LLM, where: str, monkeypatch) -> Fault:
+    if where == "prefill":           # the sampling of the prompts' first tokens
+        f = Fault(runner_mod.rejection_sample, at=1)
+        monkeypatch.setattr(runner_mod, "rejection_sample", f)
+    elif where == "prefill_after_model":   # the prefill step ran; its results were not applied
+        real = llm.runner.execute
+        f = Fault(real, at=1, after=True)
+        monkeypatch.setattr(llm.runner, "execute", f)
+    elif where == "verify":          # the 3rd sampling: inside a verify step, after its forward
+        f = Fault(runner_mod.rejection_sample, at=3)
+        monkeypatch.setattr(runner_mod, "rejection_sample", f)
+    elif where == "graph_verify":    # the traced verify graph replayed, then the interrupt
+        f = Fault(llm.runner.graphs.verify, at=2, after=True)
+        monkeypatch.setattr(llm.runner.graphs, "verify", f)
+    elif where == "graph_propose":   # between the verify replay and the proposal replay
+        f = Fault(llm.runner.graphs.propose, at=2)
+        monkeypatch.setattr(llm.runner.graphs, "propose", f)
+    else:
+        raise AssertionError(where)
+    return f
+
+
+WHERE = {"prefill": False, "prefill_after_model": False, "verify": False,
+         "graph_verify": True, "graph_propose": True}
+
+
+@pytest.mark.parametrize("where", sorted(WHERE))
+def test_interrupt_in_generate_aborts_the_call(where, monkeypatch):
+    traced = WHERE[where]
+    llm = _engine(traced)
+    assert _free(llm) == _fresh_free(llm)
+    fault = _arm(llm, where, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, SP)
+    assert fault.fired
+    _assert_idle(llm)                 # freed before control returned
+    monkeypatch.undo()
+    plans = _plans(llm, monkeypatch)
+    outs = llm.generate(PROMPTS, SP)
+    assert [o.token_ids for o in outs] == _reference(traced)
+    new_ids = {o.request_id for o in outs}
+    assert all(set(ids) <= new_ids for _, ids in plans), "an aborted request ran in a later call"
+    _assert_idle(llm)
+
+
+@pytest.mark.parametrize("where", ["verify", "graph_verify"])
+def test_interrupt_leaves_requests_outside_the_call_running(where, monkeypatch):
+    """A request queued with add_request shares the interrupted step: it is not aborted, and
+    its tokens are still exactly its uninterrupted ones (its caches were written by a step whose
+    results were dropped, so it must be recomputed, not continued)."""
+    traced = WHERE[where]
+    llm = _engine(traced)
+    outside = llm.add_request(llm.tokenizer.encode(PROMPTS[0]).ids, SP)
+    fault = _arm(llm, where, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[1:], SP)
+    assert fault.fired
+    assert outside.status != Status.FINISHED
+    assert list(llm.scheduler.waiting) + llm.scheduler.running == [outside]
+    monkeypatch.undo()
+    for _ in range(200):
+        if outside.status == Status.FINISHED:
+            break
+        llm.step()
+    assert outside.finish_reason == "length"
+    assert outside.output_token_ids == _reference(traced)[0]
+    _assert_idle(llm)
+
+
+def test_any_exception_in_generate_aborts_the_call(monkeypatch):
+    llm = _engine()
+    monkeypatch.setattr(runner_mod, "rejection_sample", Fault(runner_mod.rejection_sample, at=2,
+                                                              exc=RuntimeError))
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate(PROMPTS, SP)
+    _assert_idle(llm)
+
+
+@pytest.mark.parametrize("how", ["close", "del"])
+def test_abandoned_stream_aborts_its_requests(how, monkeypatch):
+    llm = _engine()
+    g = llm.stream(PROMPTS * 2, SamplingParams(max_tokens=1000, ignore_eos=True))
+    next(g)
+    assert llm.scheduler.running
+    if how == "close":
+        g.close()
+    else:
+        del g
+        gc.collect()
+    _assert_idle(llm)
+    plans = _plans(llm, monkeypatch)
+    outs = llm.generate(PROMPTS, SP)
+    assert [o.token_ids for o in outs] == _reference(False)
+    new_ids = {o.request_id for o in outs}
+    assert all(set(ids) <= new_ids for _, ids in plans)
+    assert sum(kind == StepKind.VERIFY for kind, _ in plans) <= SP.max_tokens
+
+
+def test_abort_api():
+    llm = _engine(max_num_seqs=2)
+    ids = [llm.tokenizer.encode(p).ids for p in PROMPTS]
+    reqs = [llm.add_request(p, SP) for p in ids]
+    llm.step()
+    llm.step()
+    running, waiting = reqs[:2], reqs[2:]
+    assert all(r.status == Status.RUNNING for r in running) and all(r.status == Status.WAITING for r in waiting)
+    assert running[0].block_ids and running[0].state_slots
+    before = _free(llm)
+    n_blocks = len(running[0].block_ids)
+    # one running, one waiting, one unknown id: the unknown one is ignored
+    aborted = llm.abort([running[0].req_id, waiting[1].req_id, 10**6])
+    assert aborted == sorted([running[0].req_id, waiting[1].req_id])
+    for r in (running[0], waiting[1]):
+        assert r.status == Status.FINISHED and r.finish_reason == "abort"
+        assert r.block_ids == [] and r.state_slots is None
+        assert r not in llm.scheduler.running and r not in llm.scheduler.waiting
+    assert _free(llm) == (before[0] + n_blocks, before[1] + 1)   # freed at once
+    assert llm.abort(running[0].req_id) == []                    # already finished: ignored
+    for _ in range(300):
+        if not llm.scheduler.has_unfinished():
+            break
+        llm.step()
+    ref = _reference(False)
+    assert running[1].output_token_ids == ref[1] and waiting[0].output_token_ids == ref[2]
+    assert running[0].output_token_ids == ref[0][:len(running[0].output_token_ids)]
+    assert waiting[1].output_token_ids == []
+    _assert_idle(llm)
+
+
+def test_abort_from_inside_a_stream_ends_it():
+    llm = _engine()
+    events = []
+    for ev in llm.stream(PROMPTS[:2], SP):
+        events.append(ev)
+        if ev.index == 0 and not ev.finished:
+            llm.abort([ev.output.request_id])
+        assert len(events) < 200, "the stream kept waiting for an aborted request"
+    finals = {e.index: e.output for e in events if e.finished}
+    assert finals[0].finish_reason == "abort" and finals[1].finish_reason == "length"
+    assert finals[1].token_ids == _reference(False)[1]
+    _assert_idle(llm)
+
+
+def test_generate_returns_requests_aborted_during_the_call(monkeypatch):
+    llm = _engine()
+    real = llm.step
+    calls = []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 3:
+            llm.abort([r.req_id for r in llm.scheduler.running[:1]])
+        return real()
+    monkeypatch.setattr(llm, "step", step)
+    outs = llm.generate(PROMPTS[:2], SP)
+    assert [o.finish_reason for o in outs] == ["abort", "length"]
+    _assert_idle(llm)
+
+
+# ---------------------------------------------------------------------------------------------
+# a call is validated whole before anything of it is queued
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [2**64, -1, 2**70])
+def test_seed_out_of_range_refuses_the_call_before_queueing(seed, monkeypatch):
+    llm = _engine()
+    plans = _plans(llm, monkeypatch)
+    with pytest.raises(InputError) as ei:
+        llm.generate(["def f():", "x"], [SamplingParams(max_tokens=1000),
+                                          SamplingParams(temperature=0.7, seed=seed)])
+    msg = str(ei.value)
+    for w in ("prompt 1", f"seed={seed}", "0..2**64-1"):
+        assert w in msg, msg
+    assert plans == []
+    _assert_idle(llm)
+    # the next call runs only its own request
+    out = llm.generate(["x"], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert all(ids == [out[0].request_id] for _, ids in plans)
+
+
+def test_largest_seed_is_accepted():
+    llm = _engine()
+    sp = SamplingParams(max_tokens=4, temperature=0.7, seed=2**64 - 1, ignore_eos=True)
+    a, b = llm.generate(["x"], sp)[0], llm.generate(["x"], sp)[0]
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 4
+
+
+def test_a_bad_second_prompt_queues_nothing(monkeypatch):
+    llm = _engine()
+    plans = _plans(llm, monkeypatch)
+    for bad in (None, 5, {"a": 1}, [1, None]):
+        with pytest.raises(InputError):
+            llm.generate(["def f():", bad], SP)
+        assert plans == []
+        _assert_idle(llm)
