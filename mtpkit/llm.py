@@ -111,20 +111,23 @@ class LLM:
             raise ConfigError(f"num_blocks={num_blocks} cannot hold one sequence of max_model_len="
                               f"{max_model_len} (needs {max_blocks} blocks of {block_size} plus the null "
                               "block); give more KV memory or lower max_model_len")
+        given = num_state_slots is not None  # else from state_cache_memory, or the default
         if num_state_slots is None and state_cache_memory is not None:
             state_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-            num_state_slots = state_cache_memory // state_bytes_per_slot(cfg, num_spec, self.dtype,
-                                                                         state_dtype, tp.size)
-        given = num_state_slots is not None
-        if not given:
+            per_slot = state_bytes_per_slot(cfg, num_spec, self.dtype, state_dtype, tp.size)
+            num_state_slots = state_cache_memory // per_slot
+        if num_state_slots is None:
             num_state_slots = 1 + max_num_seqs * bundle
         if num_state_slots < 1 + bundle:
-            source = (f"num_state_slots={num_state_slots}" if given or state_cache_memory is None else
-                      f"state_cache_memory={state_cache_memory} ({num_state_slots} state slots)")
+            need, full = 1 + bundle, 1 + max_num_seqs * bundle
+            if given or state_cache_memory is None:
+                source, fix = f"num_state_slots={num_state_slots}", "num_state_slots"
+            else:
+                source = f"state_cache_memory={state_cache_memory} ({num_state_slots} state slots)"
+                fix, need, full = "state_cache_memory", need * per_slot, full * per_slot
             raise ConfigError(f"{source}: the GDN state pool holds no request; each request needs "
                               f"num_spec + 1 = {bundle} state slots plus one shared null slot, so give "
-                              f"num_state_slots >= {1 + bundle} ({1 + max_num_seqs * bundle} for "
-                              f"max_num_seqs={max_num_seqs}), or leave num_state_slots unset")
+                              f"{fix} >= {need} ({full} for max_num_seqs={max_num_seqs}), or leave it unset")
         self.engine_config = ecfg = EngineConfig(
             num_spec=num_spec, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             block_size=block_size, num_blocks=num_blocks, num_state_slots=num_state_slots,
@@ -429,8 +432,8 @@ def _integer_dtype(dtype) -> bool:
 def _prompt_list(prompts) -> list:
     """A call's prompts as a list: a str, a token-id sequence or a 1-D array is one prompt,
     a list or tuple of those a batch (each checked later, naming its index)."""
-    if isinstance(prompts, str) or (_is_array(prompts) and prompts.ndim == 1):
-        return [prompts]
+    if isinstance(prompts, str) or (_is_array(prompts) and prompts.ndim > 0):
+        return [prompts]  # an array of another rank: _id_sequence says what to pass
     if isinstance(prompts, (list, tuple)):
         first = prompts[0] if prompts else None
         if isinstance(first, numbers.Number) or (_is_array(first) and first.ndim == 0):

@@ -283,3 +283,164 @@ def test_a_bad_second_prompt_queues_nothing(monkeypatch):
             llm.generate(["def f():", bad], SP)
         assert plans == []
         _assert_idle(llm)
+
+
+# ---------------------------------------------------------------------------------------------
+# prompt and parameter types
+# ---------------------------------------------------------------------------------------------
+
+np = pytest.importorskip("numpy")
+import torch  # noqa: E402
+
+from mtpkit import ConfigError  # noqa: E402
+
+SHORT = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return _engine()
+
+
+@pytest.fixture(scope="module")
+def ids(llm):
+    return llm.tokenizer.encode("def f():").ids
+
+
+@pytest.fixture(scope="module")
+def expected(llm, ids):
+    return llm.generate([ids], SHORT)[0].token_ids
+
+
+ID_PROMPTS = {
+    "numpy_int64": lambda ids: np.array(ids, dtype=np.int64),
+    "numpy_uint16": lambda ids: np.array(ids, dtype=np.uint16),
+    "torch_int64": lambda ids: torch.tensor(ids),
+    "torch_int32": lambda ids: torch.tensor(ids, dtype=torch.int32),
+    "list_of_numpy_ints": lambda ids: [np.int64(t) for t in ids],
+    "list_of_torch_scalars": lambda ids: [torch.tensor(t) for t in ids],
+    "tuple": lambda ids: tuple(ids),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ID_PROMPTS))
+def test_token_id_prompt_types(kind, llm, ids, expected):
+    prompt = ID_PROMPTS[kind](ids)
+    assert [o.token_ids for o in llm.generate(prompt, SHORT)] == [expected]          # one prompt
+    assert [o.token_ids for o in llm.generate([prompt, ids], SHORT)] == [expected] * 2   # a batch
+    _assert_idle(llm)
+
+
+BAD_PROMPT_TYPES = {
+    "none": (None, ["None", "not a prompt", "a str, a list of token ids"]),
+    "int": (5, ["5", "not a prompt", "a str, a list of token ids"]),
+    "dict": ({"a": 1}, ["dict", "not a prompt", "a str"]),
+    "bytes": (b"def", ["bytes", "not a prompt", "a str"]),
+    "lone_surrogate": ("def \ud800f():", ["not valid Unicode", "surrogate", "index 4", "errors='replace'"]),
+    "array_2d": (np.array([[1, 2], [3, 4]]), ["1-D", "(2, 2)", "list of 1-D arrays"]),
+    "float_array": (np.array([1.0, 2.0]), ["integers", "float64", ".astype(int)"]),
+    "float_tensor": (torch.tensor([1.0, 2.0]), ["integers", "torch.float32", ".long()"]),
+    "none_in_ids": ([1, None, 3], ["None", "outside the vocabulary", "integers, not NoneType"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PROMPT_TYPES))
+def test_bad_prompt_types(case, llm):
+    bad, words = BAD_PROMPT_TYPES[case]
+    for prompts in (bad, ["def f():", bad]):
+        with pytest.raises(InputError) as ei:
+            llm.generate(prompts, SHORT)
+        msg = str(ei.value)
+        for w in words:
+            assert w in msg, (w, msg)
+        _assert_idle(llm)
+    outs = llm.generate(["def f():", bad], SHORT, errors="return")
+    assert outs[1].finish_reason == "error" and words[0] in outs[1].error
+    assert outs[0].finish_reason == "length"
+
+
+BAD_PARAMS = {
+    "stop_token_ids_int": (dict(stop_token_ids=5), ["stop_token_ids=5", "list of token ids", "[5]"]),
+    "stop_token_ids_bool": (dict(stop_token_ids=[True]), ["stop_token_ids=[True]", "not bools"]),
+    "temperature_bool": (dict(temperature=True), ["temperature=True", "a number, not a bool"]),
+    "top_p_bool": (dict(top_p=True), ["top_p=True", "not a bool"]),
+    "seed_bool": (dict(seed=True, temperature=0.5), ["seed=True", "an int, not a bool"]),
+    "ignore_eos_str": (dict(ignore_eos="no"), ["ignore_eos='no'", "True or False"]),
+    "ignore_eos_int": (dict(ignore_eos=1), ["ignore_eos=1", "True or False"]),
+    "top_k_float_tensor": (dict(top_k=torch.tensor(2.0)), ["top_k=tensor(2.)", "int >= 0"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PARAMS))
+def test_bad_sampling_param_types(case, llm):
+    kw, words = BAD_PARAMS[case]
+    with pytest.raises(InputError) as ei:
+        llm.generate(["def f():", "x"], [SHORT, SamplingParams(max_tokens=4, **kw)])
+    msg = str(ei.value)
+    for w in ["prompt 1", "invalid SamplingParams"] + words:
+        assert w in msg, (w, msg)
+    _assert_idle(llm)
+
+
+def test_sampling_params_must_be_sampling_params(llm):
+    for sp in ({"max_tokens": 4}, [SHORT, {"max_tokens": 4}]):
+        with pytest.raises(InputError) as ei:
+            llm.generate(["def f():", "x"], sp)
+        msg = str(ei.value)
+        for w in ("must be a SamplingParams", "dict", "SamplingParams(**d)"):
+            assert w in msg, (w, msg)
+        _assert_idle(llm)
+
+
+def test_numpy_and_torch_scalars_as_sampling_values(llm):
+    python = SamplingParams(max_tokens=5, temperature=0.7, top_k=20, top_p=0.9, seed=3,
+                            stop_token_ids=[255], ignore_eos=True)
+    ref = llm.generate("def f():", python)[0].token_ids
+    assert len(ref) == 5
+    for sp in (SamplingParams(max_tokens=np.int64(5), temperature=np.float32(0.7), top_k=np.int32(20),
+                              top_p=np.float64(0.9), seed=np.uint64(3), stop_token_ids=np.array([255]),
+                              ignore_eos=np.bool_(True)),
+               SamplingParams(max_tokens=torch.tensor(5), temperature=torch.tensor(0.7), top_k=torch.tensor(20),
+                              top_p=torch.tensor(0.9), seed=torch.tensor(3), stop_token_ids=[torch.tensor(255)],
+                              ignore_eos=torch.tensor(True))):
+        out = llm.generate("def f():", sp)[0]
+        assert out.token_ids == ref and out.finish_reason == "length"
+    r = llm.add_request("x", SamplingParams(max_tokens=np.int64(2), temperature=np.float32(0.5)))
+    assert type(r.params.max_tokens) is int and type(r.params.temperature) is float
+    llm.abort(r.req_id)
+    _assert_idle(llm)
+
+
+BAD_CONFIGS = {
+    "num_state_slots_0": (dict(num_state_slots=0),
+                          ["num_state_slots=0", "holds no request", "num_spec + 1 = 3", "num_state_slots >= 4",
+                           "25 for max_num_seqs=8", "leave it unset"]),
+    "num_state_slots_1": (dict(num_state_slots=1), ["num_state_slots=1", "holds no request", ">= 4"]),
+    "num_state_slots_3": (dict(num_state_slots=3), ["num_state_slots=3", "holds no request", ">= 4"]),
+    "state_cache_memory_tiny": (dict(state_cache_memory=10), ["state_cache_memory=10", "0 state slots",
+                                                              "holds no request", "state_cache_memory >= "]),
+    "max_num_seqs_0": (dict(max_num_seqs=0), ["max_num_seqs=0", ">= 1"]),
+    "max_num_batched_tokens_0": (dict(max_num_batched_tokens=-3), ["max_num_batched_tokens=-3", ">= 1"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_bad_pool_configs(case):
+    kw, words = BAD_CONFIGS[case]
+    with pytest.raises(ConfigError) as ei:
+        LLM(MODEL, num_spec=2, **kw)
+    msg = str(ei.value)
+    for w in words:
+        assert w in msg, (w, msg)
+    assert "max_state_reqs" not in msg
+
+
+def test_interrupt_while_queueing_a_call_queues_nothing(monkeypatch):
+    """Queueing is all or nothing: an interrupt between two requests of a call unqueues the first."""
+    llm = _engine()
+    fault = Fault(llm._enqueue, at=2)
+    monkeypatch.setattr(llm, "_enqueue", fault)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, SP)
+    assert fault.fired
+    _assert_idle(llm)
