@@ -269,7 +269,12 @@ class LLM:
         finished). request_ids: RequestOutput.request_id / Request.req_id values. Ids that are
         unknown or already finished are ignored, so aborting twice is harmless; returns the
         ids that were aborted."""
-        ids = {request_ids} if isinstance(request_ids, int) else set(request_ids)
+        try:
+            ids = ({operator.index(request_ids)} if isinstance(request_ids, numbers.Integral)
+                   else {operator.index(i) for i in request_ids})
+        except TypeError:
+            raise InputError(f"request_ids={_short(request_ids)} must be an id or a list of ids "
+                             "(RequestOutput.request_id, Request.req_id)") from None
         sched = self.scheduler
         reqs = [r for r in itertools.chain(sched.waiting, sched.running) if r.req_id in ids]
         return sorted(r.req_id for r in sched.abort(reqs))

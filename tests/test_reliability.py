@@ -14,6 +14,7 @@ whole before anything of it is queued.
 import gc
 
 import pytest
+import torch
 
 import mtpkit.engine.runner as runner_mod
 from mtpkit import LLM, InputError, SamplingParams
@@ -104,13 +105,27 @@ def _arm(llm: LLM, where: str, monkeypatch) -> Fault:
     elif where == "graph_propose":   # between the verify replay and the proposal replay
         f = Fault(llm.runner.graphs.propose, at=2)
         monkeypatch.setattr(llm.runner.graphs, "propose", f)
+    elif where == "graph_trace":     # while torch.jit.trace runs the verify body
+        graphs, real_fn = llm.runner.graphs, llm.runner.graphs._verify_fn
+        f = Fault(None)
+
+        def verify_fn(context):
+            body = real_fn(context)
+
+            def traced_body(*a):
+                if torch.jit.is_tracing() and not f.fired:
+                    f.fired = True
+                    raise KeyboardInterrupt("injected")
+                return body(*a)
+            return traced_body
+        monkeypatch.setattr(graphs, "_verify_fn", verify_fn)
     else:
         raise AssertionError(where)
     return f
 
 
 WHERE = {"prefill": False, "prefill_after_model": False, "verify": False,
-         "graph_verify": True, "graph_propose": True}
+         "graph_trace": True, "graph_verify": True, "graph_propose": True}
 
 
 @pytest.mark.parametrize("where", sorted(WHERE))
@@ -205,6 +220,8 @@ def test_abort_api():
         assert r not in llm.scheduler.running and r not in llm.scheduler.waiting
     assert _free(llm) == (before[0] + n_blocks, before[1] + 1)   # freed at once
     assert llm.abort(running[0].req_id) == []                    # already finished: ignored
+    with pytest.raises(InputError, match="request_ids"):
+        llm.abort(reqs[1])                                       # a Request, not its id
     for _ in range(300):
         if not llm.scheduler.has_unfinished():
             break
@@ -290,7 +307,6 @@ def test_a_bad_second_prompt_queues_nothing(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 np = pytest.importorskip("numpy")
-import torch  # noqa: E402
 
 from mtpkit import ConfigError  # noqa: E402
 
