@@ -5,9 +5,11 @@ work: configuration at construction (before weights are read), prompts and sampl
 when they are added.
 """
 
+import contextlib
 import dataclasses
 import itertools
 import json
+import numbers
 import operator
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -82,8 +84,10 @@ class LLM:
             raise ConfigError(f"num_threads={num_threads} must be >= 1")
         if not isinstance(num_spec, int) or isinstance(num_spec, bool) or not 0 <= num_spec <= 8:
             raise ConfigError(f"num_spec={num_spec!r} must be an int in 0..8")
-        if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ConfigError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        for name, v in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
+            if v < 1:
+                raise ConfigError(f"{name}={v} must be >= 1")
         # The drafter, from config.json files alone (and the checkpoint's headers).
         self.draft = draft = setup_drafter(self.family, cfg, path, num_spec=num_spec, draft_model=draft_model,
                                            block_size=block_size, load_format=load_format)
@@ -123,13 +127,25 @@ class LLM:
             raise ConfigError(f"num_blocks={num_blocks} cannot hold one sequence of max_model_len="
                               f"{max_model_len} (needs {ecfg.max_blocks} blocks of {block_size} plus the null "
                               "block); give more KV memory or lower max_model_len")
+        given = num_state_slots is not None  # else from state_cache_memory, or the default
         if not spec.has_state:
             num_state_slots = None   # nothing to hold: requests take no slots
         elif num_state_slots is None:
             if state_cache_memory is not None:
-                num_state_slots = state_cache_memory // spec.bytes_per_slot(self.dtype)
+                per_slot = spec.bytes_per_slot(self.dtype)
+                num_state_slots = state_cache_memory // per_slot
             else:
                 num_state_slots = 1 + max_num_seqs * bundle
+        if num_state_slots is not None and num_state_slots < 1 + bundle:
+            need, full = 1 + bundle, 1 + max_num_seqs * bundle
+            if given or state_cache_memory is None:
+                source, fix = f"num_state_slots={num_state_slots}", "num_state_slots"
+            else:
+                source = f"state_cache_memory={state_cache_memory} ({num_state_slots} state slots)"
+                fix, need, full = "state_cache_memory", need * per_slot, full * per_slot
+            raise ConfigError(f"{source}: the recurrent-state pool holds no request; each request needs "
+                              f"num_spec + 1 = {bundle} state slots plus one shared null slot, so give "
+                              f"{fix} >= {need} ({full} for max_num_seqs={max_num_seqs}), or leave it unset")
         # Graph plan (and its configuration errors) before any weight is read.
         max_state_reqs = max_num_seqs if num_state_slots is None else (num_state_slots - 1) // bundle
         self.capture_plan = build_capture_plan(
@@ -181,30 +197,35 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InputError(f"{where}: this checkpoint has no tokenizer.json; pass token ids")
-            ids = self.tokenizer.encode(prompt).ids
+            ids = self.tokenizer.encode(_utf8_text(prompt, where)).ids
         else:
-            ids, bad = [], []
-            for t in prompt:  # Python, numpy and torch integers; not bools or floats
+            ids, bad, not_ints = [], [], []
+            for t in _id_sequence(prompt, where):  # Python, numpy and torch integers; not bools or floats
                 try:
-                    if isinstance(t, bool) or getattr(t, "dtype", None) == torch.bool:
+                    if _is_bool(t):
                         raise TypeError
                     t = operator.index(t)
                 except TypeError:
-                    bad.append(t)
+                    bad.append(t), not_ints.append(type(t).__name__)
                     continue
                 ids.append(t)
                 if not 0 <= t < self.model_config.vocab_size:
                     bad.append(t)
             if bad:
                 raise InputError(f"{where}: token ids {bad[:8]} are outside the vocabulary "
-                                 f"0..{self.model_config.vocab_size - 1}")
+                                 f"0..{self.model_config.vocab_size - 1}" + (
+                                     f" (token ids are integers, not {', '.join(sorted(set(not_ints)))})"
+                                     if not_ints else ""))
         if not ids:
             raise InputError(f"{where}: the prompt is empty; give at least one token")
         return ids
 
-    def _validate(self, prompt: Prompt, params: SamplingParams | None, where: str) -> list[int]:
-        params = params or SamplingParams()
+    def _validate(self, prompt: Prompt, params: SamplingParams | None, where: str
+                  ) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and its SamplingParams (scalars as Python values), or an
+        InputError naming `where`."""
         try:
+            params = _sampling_params(params)
             params.validate(self.model_config.vocab_size)
         except InputError as e:
             raise InputError(f"{where}: {e}") from None
@@ -214,12 +235,12 @@ class LLM:
             raise InputError(f"{where}: {len(ids)} prompt tokens + max_tokens={params.max_tokens} = {total} "
                              f"exceeds max_model_len={limit}; shorten the prompt, lower max_tokens or "
                              "raise max_model_len")
-        return ids
+        return ids, params
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, *,
                     where: str = "prompt") -> Request:
         """Validate and queue one request (raises InputError; queued requests are unaffected)."""
-        return self._enqueue(self._validate(prompt, params, where), params or SamplingParams())
+        return self._enqueue(*self._validate(prompt, params, where))
 
     def _enqueue(self, ids: list[int], params: SamplingParams) -> Request:
         """Queue an already validated request."""
@@ -240,21 +261,42 @@ class LLM:
         plan = self.scheduler.schedule()
         if plan is None:
             return []
-        results = self.runner.execute(plan)
-        for r in self.scheduler.update(plan, results):
+        try:
+            results = self.runner.execute(plan)
+            finished = self.scheduler.update(plan, results)
+        except BaseException:
+            # Interrupted mid-step (Ctrl-C, an error): its caches may be written and its results
+            # not applied. The step's requests start over; the caller's stream aborts its own.
+            self.scheduler.recompute(plan.reqs)
+            raise
+        for r in finished:
             self.stats.merge(r.stats)
         return plan.reqs
 
+    def abort(self, request_ids: int | Sequence[int]) -> list[int]:
+        """Stop requests now: they leave the queue, their KV blocks and state slots are freed,
+        and they finish with finish_reason "abort" (a stream that holds one yields it as
+        finished). request_ids: RequestOutput.request_id / Request.req_id values. Ids that are
+        unknown or already finished are ignored, so aborting twice is harmless; returns the
+        ids that were aborted."""
+        try:
+            ids = ({operator.index(request_ids)} if isinstance(request_ids, numbers.Integral)
+                   else {operator.index(i) for i in request_ids})
+        except TypeError:
+            raise InputError(f"request_ids={_short(request_ids)} must be an id or a list of ids "
+                             "(RequestOutput.request_id, Request.req_id)") from None
+        sched = self.scheduler
+        reqs = [r for r in itertools.chain(sched.waiting, sched.running) if r.req_id in ids]
+        return sorted(r.req_id for r in sched.abort(reqs))
+
     def _prepare(self, prompts, sampling_params, errors: str):
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 raise InputError(f"{len(sampling_params)} SamplingParams for {len(prompts)} prompts")
             params = list(sampling_params)
         else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params] * len(prompts)
         if errors not in ("raise", "return"):
             raise InputError(f"errors={errors!r} must be 'raise' or 'return'")
         # Validate every prompt before queueing any, so a bad one costs no model work.
@@ -268,44 +310,65 @@ class LLM:
             raise InputError("; ".join(problems.values()) + (
                 "" if len(prompts) == 1 else " (nothing was run; pass errors='return' to run the valid "
                 "prompts and get the errors back as outputs)"))
-        reqs = {i: self._enqueue(ids, params[i] or SamplingParams()) for i, ids in valid.items()}
+        reqs = {}
+        try:
+            for i, (ids, sp) in valid.items():
+                reqs[i] = self._enqueue(ids, sp)
+        except BaseException:  # all or nothing: an interrupt here leaves no request queued
+            self.scheduler.abort(list(reqs.values()))
+            raise
         return prompts, reqs, problems
 
     def stream(self, prompts, sampling_params=None, *, errors: str = "raise") -> Iterator[StreamEvent]:
-        """Yield each request's new tokens after every step, until all have finished."""
+        """Yield each request's new tokens after every step, until all have finished. If the
+        generator is closed or collected early, or a step raises (KeyboardInterrupt included),
+        this call's requests are aborted: their storage is freed and none of them runs later."""
         prompts, reqs, problems = self._prepare(prompts, sampling_params, errors)
-        for i, msg in problems.items():
-            yield StreamEvent(i, [], "", True, self._error_output(prompts[i], msg))
-        index = {r.req_id: i for i, r in reqs.items()}
-        seen = {r.req_id: 0 for r in reqs.values()}
-        live = set(seen)
-        while live:
-            for r in self.step():
-                if r.req_id not in live:
-                    continue
-                new = r.output_token_ids[seen[r.req_id]:]
-                if new or r.status == Status.FINISHED:
-                    seen[r.req_id] = len(r.output_token_ids)
-                    out = self._output(r)
-                    yield StreamEvent(index[r.req_id], new, out.text or "", out.finished, out)
-                if r.status == Status.FINISHED:
-                    live.discard(r.req_id)
+        try:
+            for i, msg in problems.items():
+                yield StreamEvent(i, [], "", True, self._error_output(prompts[i], msg))
+            index = {r.req_id: i for i, r in reqs.items()}
+            seen = {r.req_id: 0 for r in reqs.values()}
+            live = {r.req_id: r for r in reqs.values()}
+            while live:
+                stepped = self.step()
+                # Requests aborted meanwhile (LLM.abort) are in no step: report them too.
+                aborted = [r for r in live.values() if r.status == Status.FINISHED and r not in stepped]
+                for r in stepped + aborted:
+                    if r.req_id not in live:
+                        continue
+                    # read before yielding: the caller may abort r meanwhile, which must
+                    # still be reported on the next round
+                    new, finished = r.output_token_ids[seen[r.req_id]:], r.status == Status.FINISHED
+                    if new or finished:
+                        seen[r.req_id] = len(r.output_token_ids)
+                        out = self._output(r)
+                        yield StreamEvent(index[r.req_id], new, out.text or "", out.finished, out)
+                    if finished:
+                        del live[r.req_id]
+        finally:
+            self.scheduler.abort(list(reqs.values()))
 
     def generate(self, prompts, sampling_params=None, *, errors: str = "raise",
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. prompts: a str, a list of str, or a list of
-        token-id lists. errors='raise' refuses the whole call if any prompt is bad (before any
-        model work); errors='return' runs the others and returns the bad ones with .error set."""
+        """One RequestOutput per prompt, in order. prompts: a str, a list of token ids, or a
+        list of those (see _prompt_list). errors='raise' refuses the whole call if any prompt
+        is bad (before any model work); errors='return' runs the others and returns the bad
+        ones with .error set. An exception (KeyboardInterrupt included) aborts the call's
+        requests before it propagates."""
         outputs: dict[int, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
             bar = tqdm(desc="generating", unit="tok")
-        for ev in self.stream(prompts, sampling_params, errors=errors):
-            if bar is not None:
-                bar.update(len(ev.new_token_ids))
-            if ev.finished:
-                outputs[ev.index] = ev.output
+        # closing: an exception here would otherwise keep the stream (and its requests) alive
+        # in the traceback until it is collected.
+        with contextlib.closing(self.stream(prompts, sampling_params, errors=errors)) as events:
+            for ev in events:
+                if bar is not None:
+                    bar.update(len(ev.new_token_ids))
+                if ev.finished:
+                    outputs[ev.index] = ev.output
         if bar is not None:
             bar.close()
         return [outputs[i] for i in sorted(outputs)]
@@ -316,7 +379,10 @@ class LLM:
                              r.finish_reason, r.stats, None, r.num_preemptions)
 
     def _error_output(self, prompt, msg: str) -> RequestOutput:
-        ids = list(prompt) if not isinstance(prompt, str) else []
+        try:  # the ids as far as they can be read: a bad prompt may be anything
+            ids = [] if isinstance(prompt, str) else _id_sequence(prompt, "")
+        except InputError:
+            ids = []
         return RequestOutput(-1, ids, [], None, "error", SpecStats(), msg)
 
     # ---- scoring --------------------------------------------------------------------
@@ -347,6 +413,124 @@ class LLM:
         finally:
             self.blocks.free(blocks)
             self.slots.free(slots)
+
+
+# ---- input types ----------------------------------------------------------------------
+# Prompts and sampling values come from user code: numpy and torch values are accepted where
+# they mean the same as a Python value, and anything else is an InputError naming it.
+PROMPT_TYPES = ("a str, a list of token ids (Python, numpy or torch integers), or a 1-D integer "
+                "numpy array / torch tensor")
+
+
+def _short(x) -> str:
+    r = repr(x)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _is_array(x) -> bool:
+    """A torch tensor or a numpy array / scalar (duck-typed: numpy is not imported here)."""
+    return isinstance(x, torch.Tensor) or all(hasattr(x, a) for a in ("ndim", "dtype", "tolist"))
+
+
+def _is_bool(x) -> bool:
+    """Python, numpy and torch booleans: never a number or a token id here."""
+    return isinstance(x, bool) or (str(getattr(x, "dtype", "")) in ("bool", "torch.bool")
+                                   and getattr(x, "ndim", 1) == 0)
+
+
+def _integer_dtype(dtype) -> bool:
+    if isinstance(dtype, torch.dtype):
+        return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    return getattr(dtype, "kind", "") in ("i", "u")
+
+
+def _prompt_list(prompts) -> list:
+    """A call's prompts as a list: a str, a token-id sequence or a 1-D array is one prompt,
+    a list or tuple of those a batch (each checked later, naming its index)."""
+    if isinstance(prompts, str) or (_is_array(prompts) and prompts.ndim > 0):
+        return [prompts]  # an array of another rank: _id_sequence says what to pass
+    if isinstance(prompts, (list, tuple)):
+        first = prompts[0] if prompts else None
+        if isinstance(first, numbers.Number) or (_is_array(first) and first.ndim == 0):
+            return [prompts]  # token ids (a bad id is reported by _tokens)
+        return list(prompts)
+    raise InputError(f"prompts={_short(prompts)} ({type(prompts).__name__}) is not a prompt or a list of "
+                     f"prompts; give {PROMPT_TYPES}, or a list of these for a batch")
+
+
+def _id_sequence(prompt, where: str) -> list:
+    """A token-id prompt's elements (not yet checked as ids)."""
+    if _is_array(prompt) and prompt.ndim > 0:
+        if prompt.ndim != 1:
+            raise InputError(f"{where}: a token-id array must be 1-D, got shape {tuple(prompt.shape)}; "
+                             "pass a list of 1-D arrays for a batch")
+        if len(prompt) and not _integer_dtype(prompt.dtype):
+            raise InputError(f"{where}: token ids must be integers, got an array of dtype {prompt.dtype}; "
+                             "convert it (numpy: .astype(int), torch: .long())")
+        return prompt.tolist()
+    if isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes, bytearray)):
+        return list(prompt)
+    raise InputError(f"{where}: {_short(prompt)} ({type(prompt).__name__}) is not a prompt; give {PROMPT_TYPES}")
+
+
+def _utf8_text(text: str, where: str) -> str:
+    """The text, if the tokenizer can take it: lone surrogates (from a bad decode) cannot be
+    encoded as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{where}: the text is not valid Unicode ({e.reason}: {text[e.start:e.end]!r} at "
+                         f"index {e.start}); remove it, or decode the source bytes with errors='replace'") from None
+    return text
+
+
+def _scalar(v, integer: bool):
+    """v as a Python int (integer) or float, if it is a Python, numpy or torch scalar of that
+    kind; else None (SamplingParams.validate then names the field)."""
+    if isinstance(v, torch.Tensor):
+        if v.ndim != 0 or v.dtype == torch.bool or v.dtype.is_complex or (integer and v.dtype.is_floating_point):
+            return None
+        v = v.item()
+    if isinstance(v, bool):
+        return None
+    if integer:
+        return int(v) if isinstance(v, numbers.Integral) else None
+    return float(v) if isinstance(v, numbers.Real) else None
+
+
+def _sampling_params(params) -> SamplingParams:
+    """params (None: the defaults) with numpy / torch scalars as Python values, after the type
+    checks SamplingParams.validate leaves to the caller: bools are not numbers or token ids,
+    ignore_eos is a bool, stop_token_ids a list."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InputError(f"sampling_params={_short(params)} ({type(params).__name__}) must be a SamplingParams "
+                         "or a list of them, one per prompt; e.g. SamplingParams(**d) for a dict d")
+    problems, values = [], {}
+    for name, integer in (("max_tokens", True), ("top_k", True), ("seed", True),
+                          ("temperature", False), ("top_p", False)):
+        v = getattr(params, name)
+        if _is_bool(v):
+            problems.append(f"{name}={v!r} must be {'an int' if integer else 'a number'}, not a bool")
+        elif v is not None and (x := _scalar(v, integer)) is not None:
+            values[name] = x
+    stop = params.stop_token_ids
+    if _is_array(stop) and stop.ndim == 1:
+        stop = stop.tolist()
+    if not isinstance(stop, (list, tuple)):
+        problems.append(f"stop_token_ids={_short(stop)} must be a list of token ids, e.g. [{_short(stop)}]")
+    elif any(_is_bool(t) for t in stop):
+        problems.append(f"stop_token_ids={_short(stop)} must be int token ids, not bools")
+    else:
+        values["stop_token_ids"] = [t if (x := _scalar(t, True)) is None else x for t in stop]
+    if not _is_bool(params.ignore_eos):
+        problems.append(f"ignore_eos={_short(params.ignore_eos)} must be True or False")
+    else:
+        values["ignore_eos"] = bool(params.ignore_eos)
+    if problems:
+        raise InputError("invalid SamplingParams: " + "; ".join(problems))
+    return dataclasses.replace(params, **values)
 
 
 def _load_tokenizer(path: Path):

@@ -112,7 +112,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str | None        # "length", "stop", "error"
+    finish_reason: str | None        # "length", "stop", "error", "abort" (LLM.abort, an interrupted call)
     spec_stats: SpecStats
     error: str | None = None
     num_preemptions: int = 0

@@ -176,17 +176,42 @@ class Scheduler:
     def _release(self, r: Request) -> None:
         if r in self.running:
             self.running.remove(r)
-        if r.block_ids:
-            self.blocks.free(r.block_ids)
-        if r.state_slots:
-            self.slots.free(r.state_slots)
-        r.block_ids, r.state_slots = [], None
+        # Detach before freeing: an interrupt between the two then leaks, never frees twice.
+        blocks, slots, r.block_ids, r.state_slots = r.block_ids, r.state_slots, [], None
+        if blocks:
+            self.blocks.free(blocks)
+        if slots:
+            self.slots.free(slots)
+
+    # ---- abort ----------------------------------------------------------------------
+    def abort(self, reqs: list[Request]) -> list[Request]:
+        """Finish the unfinished ones of reqs with "abort": out of waiting / running, their
+        blocks and slots freed now. Returns those it aborted (finished ones are left alone)."""
+        aborted = []
+        for r in reqs:
+            if r.status == Status.FINISHED:
+                continue
+            if r in self.waiting:
+                self.waiting.remove(r)
+            self.finish(r, "abort")
+            aborted.append(r)
+        return aborted
+
+    def recompute(self, reqs: list[Request]) -> None:
+        """A step that raised may have written its requests' KV and GDN state without its
+        results being applied; state slots are updated in place, so the step cannot simply run
+        again. Its requests still running are preempted: recomputed from prompt + outputs."""
+        for r in reversed(reqs):  # preemption queues at the front: keep their order
+            if r.status == Status.RUNNING:
+                self._preempt(r)
 
     # ---- results --------------------------------------------------------------------
     def update(self, plan: StepPlan, results: list[ReqResult]) -> list[Request]:
         """Apply a step's results; returns the requests that finished."""
         finished = []
         for i, (r, res) in enumerate(zip(plan.reqs, results)):
+            if r.status == Status.FINISHED:
+                continue  # aborted while its step ran (a stream collected by gc mid-step)
             if plan.kind == StepKind.PREFILL:
                 r.num_computed += plan.chunk_lens[i]
                 if r.in_prefill:
