@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .config import EngineConfig, Qwen3NextConfig, resolve_dtype
+from .config import EngineConfig, Qwen3NextConfig, resolve_device, resolve_dtype
 from .engine.cache import (BlockAllocator, SlotAllocator, allocate_cache, kv_bytes_per_block,
                            state_bytes_per_slot)
 from .engine.request import Request, RequestOutput, SpecStats, Status
@@ -24,6 +24,7 @@ from .errors import ConfigError, InputError
 from .graphs.plan import build_capture_plan
 from .models.registry import resolve_model
 from .sampling import SamplingParams
+from .tokenizer import load_tokenizer
 
 Prompt = str | Sequence[int]
 
@@ -63,8 +64,8 @@ class LLM:
         path = resolve_model(model)
         self.model_path = path
         self.model_config = cfg = Qwen3NextConfig.from_file(path)
-        self.device = torch.device(device) if device is not None else torch.device(
-            "cuda" if torch.cuda.is_available() else "cpu")
+        self.tokenizer = load_tokenizer(path, cfg.vocab_size)  # a broken file is named before weights load
+        self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device, cfg.torch_dtype)
         for name, v in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
                         ("max_num_batched_tokens", max_num_batched_tokens), ("seed", seed),
@@ -155,7 +156,6 @@ class LLM:
         self.scheduler = Scheduler(ecfg, self.blocks, self.slots, dispatch)
         self.runner = ModelRunner(self.model, self.cache, ecfg, self.device,
                                   None if enforce_eager else self.capture_plan)
-        self.tokenizer = _load_tokenizer(path)
         self.eos_token_ids = _eos_ids(path, cfg)
         if self.device.type == "cpu":
             params = sum(p.numel() for p in self.model.parameters())
@@ -337,14 +337,6 @@ class LLM:
         finally:
             self.blocks.free(blocks)
             self.slots.free(slots)
-
-
-def _load_tokenizer(path: Path):
-    f = path / "tokenizer.json"
-    if not f.exists():
-        return None
-    from tokenizers import Tokenizer
-    return Tokenizer.from_file(str(f))
 
 
 def _eos_ids(path: Path, cfg: Qwen3NextConfig) -> tuple[int, ...]:
