@@ -41,13 +41,12 @@ def main(argv: list[str] | None = None) -> int:
         params = mtpkit.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                        top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         trace = mtpkit.set_debug(True) if args.debug else None
-        t0, shown, out = time.perf_counter(), "", None
+        t0, out = time.perf_counter(), None
         for ev in llm.stream(args.prompt, params):
             out = ev.output
-            if not args.no_stream and ev.text[len(shown):]:
-                sys.stdout.write(ev.text[len(shown):])
+            if not args.no_stream and ev.delta:  # final text only: never half a character
+                sys.stdout.write(ev.delta)
                 sys.stdout.flush()
-                shown = ev.text
         elapsed = time.perf_counter() - t0
     except mtpkit.MtpkitError as e:
         print(f"error: {e}", file=sys.stderr)

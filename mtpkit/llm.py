@@ -15,6 +15,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .config import EngineConfig, Qwen3NextConfig, resolve_device, resolve_dtype
+from .detokenize import IncrementalDetokenizer
 from .engine.cache import (BlockAllocator, SlotAllocator, allocate_cache, kv_bytes_per_block,
                            state_bytes_per_slot)
 from .engine.request import Request, RequestOutput, SpecStats, Status
@@ -35,9 +36,10 @@ class StreamEvent:
 
     index: int                      # position of the prompt in the call
     new_token_ids: list[int]
-    text: str                       # the whole text so far
+    text: str                       # all final text so far (the whole text on the finishing event)
     finished: bool
     output: RequestOutput
+    delta: str = ""                 # text that became final at this event (never half a character)
 
 
 class LLM:
@@ -268,6 +270,7 @@ class LLM:
             yield StreamEvent(i, [], "", True, self._error_output(prompts[i], msg))
         index = {r.req_id: i for i, r in reqs.items()}
         seen = {r.req_id: 0 for r in reqs.values()}
+        detok = {rid: IncrementalDetokenizer(self.tokenizer) for rid in seen}
         live = set(seen)
         while live:
             for r in self.step():
@@ -276,8 +279,9 @@ class LLM:
                 new = r.output_token_ids[seen[r.req_id]:]
                 if new or r.status == Status.FINISHED:
                     seen[r.req_id] = len(r.output_token_ids)
-                    out = self._output(r)
-                    yield StreamEvent(index[r.req_id], new, out.text or "", out.finished, out)
+                    out, d = self._output(r), detok[r.req_id]
+                    delta = d.add(new, final=out.finished)
+                    yield StreamEvent(index[r.req_id], new, d.text, out.finished, out, delta)
                 if r.status == Status.FINISHED:
                     live.discard(r.req_id)
 

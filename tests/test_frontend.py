@@ -93,3 +93,81 @@ def test_tokenizer_larger_than_the_model_vocab(tiny_copy, no_weights):
         LLM(tiny_copy)
     msg = str(ei.value)
     assert "tokenizer.json" in msg and "200" in msg and "257" in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------
+# incremental detokenization
+# ---------------------------------------------------------------------------------------------
+
+# The embedded tokenizer is byte-level with ids equal to byte values (256 is <|endoftext|>):
+# "中文" is E4 B8 AD E6 96 87, one token per byte, so each character spans three tokens.
+CJK = "中文"
+CJK_IDS = list(CJK.encode("utf-8"))
+
+
+def test_tokenizer_splits_the_characters_into_byte_tokens():
+    llm_tok = mtpkit.tokenizer.load_tokenizer(TINY)
+    assert llm_tok.encode(CJK).ids == CJK_IDS
+    assert llm_tok.decode(CJK_IDS[:1]) == "\ufffd"  # what naive streaming prints
+
+
+def test_detokenizer_holds_back_incomplete_characters():
+    from mtpkit.detokenize import IncrementalDetokenizer
+
+    tok = mtpkit.tokenizer.load_tokenizer(TINY)
+    d = IncrementalDetokenizer(tok)
+    deltas = [d.add([t]) for t in CJK_IDS]
+    assert deltas == ["", "", "中", "", "", "文"]
+    assert d.text == CJK
+    # a held-back byte is released as the decoder has it when the sequence ends there
+    d2 = IncrementalDetokenizer(tok)
+    assert d2.add(list(b"ab") + CJK_IDS[:2]) == "ab"
+    assert d2.add([], final=True) == "\ufffd" and d2.text == tok.decode(list(b"ab") + CJK_IDS[:2])
+    # several tokens at once, ASCII after the split character, and a tokenizer-less checkpoint
+    d3 = IncrementalDetokenizer(tok)
+    assert [d3.add(CJK_IDS[:4]), d3.add(CJK_IDS[4:] + list(b"!"))] == ["中", "文!"]
+    assert IncrementalDetokenizer(None).add([1, 2], final=True) == ""
+
+
+@pytest.fixture
+def scripted_logits(monkeypatch):
+    """The model's next token follows a script (one-hot logits per compute_logits call; with
+    num_spec=0 every call samples one token per request): the engine, sampler, scheduler and
+    stream run for real on chosen token ids."""
+    from mtpkit.models.qwen3_next import Qwen3NextForCausalLM
+
+    def install(tokens):
+        it = iter(tokens)
+
+        def compute_logits(self, hidden):
+            logits = torch.full((hidden.shape[0], self.cfg.vocab_size), -1e4, dtype=hidden.dtype,
+                                device=hidden.device)
+            logits[:, next(it)] = 0.0
+            return logits
+
+        monkeypatch.setattr(Qwen3NextForCausalLM, "compute_logits", compute_logits)
+
+    return install
+
+
+def test_stream_deltas_never_split_a_character(scripted_logits):
+    script = list(b"x=") + CJK_IDS + list(b"\n")
+    scripted_logits(script)
+    llm = LLM("tiny-qwen3-next", enforce_eager=True)
+    events = list(llm.stream([list(b"s = ")], SamplingParams(max_tokens=len(script), ignore_eos=True)))
+    assert [t for ev in events for t in ev.new_token_ids] == script
+    final = events[-1]
+    assert final.finished and final.output.text == "x=中文\n" == final.text
+    assert "".join(ev.delta for ev in events) == final.text
+    assert not any("\ufffd" in ev.delta or "\ufffd" in ev.text for ev in events)
+    for ev in events:  # text is always the concatenation of the deltas so far
+        assert final.text.startswith(ev.text)
+
+
+def test_cli_prints_split_characters_whole(scripted_logits, capsys):
+    from mtpkit import cli
+
+    scripted_logits(CJK_IDS + list(b"ok"))
+    assert cli.main(["generate", "s = ", "--num-spec", "0", "--max-tokens", str(len(CJK_IDS) + 2)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(CJK + "ok") and "\ufffd" not in out, out
