@@ -13,6 +13,8 @@ import torch
 from .errors import InputError
 from .shapes import Bool, Float, Int, Tensor, checked, shaped_dataclass
 
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's largest seed
+
 
 @dataclasses.dataclass
 class SamplingParams:
@@ -38,8 +40,10 @@ class SamplingParams:
             problems.append(f"top_k={self.top_k} exceeds the vocabulary size {vocab_size}")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             problems.append(f"top_p={self.top_p!r} must be in (0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            problems.append(f"seed={self.seed!r} must be an int or None")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            problems.append(f"seed={self.seed!r} must be None or an int between 0 and 2**64-1 "
+                            "(what torch.Generator.manual_seed takes)")
         bad_stop = [t for t in self.stop_token_ids
                     if not isinstance(t, int) or (vocab_size is not None and not 0 <= t < vocab_size)]
         if bad_stop:

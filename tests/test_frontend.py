@@ -171,3 +171,74 @@ def test_cli_prints_split_characters_whole(scripted_logits, capsys):
     assert cli.main(["generate", "s = ", "--num-spec", "0", "--max-tokens", str(len(CJK_IDS) + 2)]) == 0
     out = capsys.readouterr().out
     assert out.startswith(CJK + "ok") and "\ufffd" not in out, out
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "mtpkit", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=_env(), timeout=timeout)
+
+
+def test_python_dash_m_mtpkit_and_generate_help():
+    r = _run_cli("generate", "--help")
+    assert r.returncode == 0, r.stderr
+    out = " ".join(r.stdout.split())  # argparse wraps lines
+    for opt, default in [("--model", "tiny-qwen3-next"), ("--num-spec", "3"), ("--max-tokens", "128"),
+                         ("--temperature", "0.0"), ("--top-k", "0"), ("--top-p", "1.0"),
+                         ("--seed", "None"), ("--dtype", "float32")]:
+        assert opt in out and f"(default: {default})" in out, (opt, default, r.stdout)
+    # every option has a help text: no option line stands alone
+    lines = r.stdout.splitlines()
+    for i, ln in enumerate(lines):
+        s = ln.strip()
+        if s.startswith("--") and s.split()[-1].isupper() and len(s.split()) <= 2:
+            assert lines[i + 1].startswith(" " * 8), f"{s} has no help text"
+    assert r.returncode == 0 and "usage: mtpkit" in _run_cli("--help").stdout
+
+
+@pytest.mark.parametrize("seed", ["99999999999999999999", "-1", "abc"])
+def test_cli_rejects_a_bad_seed_before_loading(seed, capsys, no_weights):
+    from mtpkit import cli
+
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["generate", "x", "--seed", seed])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert "--seed" in err and "0 and 2**64-1" in err and "Traceback" not in err, err
+
+
+def test_sampling_params_reject_a_seed_torch_cannot_take():
+    from mtpkit import InputError
+
+    llm = LLM("tiny-qwen3-next", enforce_eager=True)
+    for seed in (2**64, -1):
+        with pytest.raises(InputError, match="seed"):
+            llm.generate("x", SamplingParams(max_tokens=2, temperature=0.5, seed=seed))
+    assert len(llm.generate("x", SamplingParams(max_tokens=2, temperature=0.5, seed=2**64 - 1))[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("no_stream", [False, True])
+def test_ctrl_c_prints_a_note_and_the_text_and_exits_130(monkeypatch, capsys, no_stream):
+    from mtpkit import cli
+
+    want = LLM("tiny-qwen3-next").generate("def f(x):", SamplingParams(max_tokens=3))[0].text
+    real = LLM.stream
+
+    def interrupted(self, *a, **k):  # Ctrl-C after the third step
+        for i, ev in enumerate(real(self, *a, **k)):
+            yield ev
+            if i == 2:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(LLM, "stream", interrupted)
+    argv = ["generate", "def f(x):", "--num-spec", "0", "--max-tokens", "20"] + (["--no-stream"] if no_stream else [])
+    assert cli.main(argv) == 130
+    cap = capsys.readouterr()
+    assert cap.out.startswith(want), (cap.out, want)
+    note = [ln for ln in cap.err.splitlines() if ln.strip()]
+    assert len(note) == 1 and "interrupted" in note[0] and "3 tokens" in note[0], cap.err
+    assert "Traceback" not in cap.err + cap.out
