@@ -242,3 +242,82 @@ def test_ctrl_c_prints_a_note_and_the_text_and_exits_130(monkeypatch, capsys, no
     note = [ln for ln in cap.err.splitlines() if ln.strip()]
     assert len(note) == 1 and "interrupted" in note[0] and "3 tokens" in note[0], cap.err
     assert "Traceback" not in cap.err + cap.out
+
+
+# ---------------------------------------------------------------------------------------------
+# examples/serve_batch.py: every input check before the model loads
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def serve_batch(monkeypatch):
+    """The example script as a module, with LLM replaced by a tripwire (checks must come first)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_batch", ROOT / "examples" / "serve_batch.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(mod, "LLM", no_model)
+    return mod
+
+
+def _serve(mod, capsys, *args):
+    rc = mod.main(["--num-spec", "0", "--max-tokens", "4", *map(str, args)])
+    return rc, capsys.readouterr().err
+
+
+def test_serve_batch_missing_input_before_the_model(serve_batch, capsys, tmp_path):
+    rc, err = _serve(serve_batch, capsys, "--prompts", tmp_path / "nope.jsonl", "--output", tmp_path / "o.jsonl")
+    assert rc == 2 and "nope.jsonl" in err and "no such file" in err, err
+
+
+def test_serve_batch_output_directory_checked_before_the_model(serve_batch, capsys, tmp_path):
+    out = tmp_path / "missing-dir" / "out.jsonl"
+    rc, err = _serve(serve_batch, capsys, "--prompts", ROOT / "examples" / "prompts.jsonl", "--output", out)
+    assert rc == 2 and "missing-dir" in err and "does not exist" in err, err
+    rc, err = _serve(serve_batch, capsys, "--prompts", ROOT / "examples" / "prompts.jsonl", "--output", tmp_path)
+    assert rc == 2 and "is a directory" in err, err
+
+
+def test_serve_batch_every_bad_line_named_before_the_model(serve_batch, capsys, tmp_path):
+    f = tmp_path / "in.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"prompt": "broken"\n{"prompt": 123}\n\n{"prompt_token_ids": "abc"}\n'
+                 '{"prompt_token_ids": [1, true]}\n{"prompt_token_ids": [5, 999]}\n["x"]\n{"prompt": ""}\n')
+    rc, err = _serve(serve_batch, capsys, "--prompts", f, "--output", tmp_path / "o.jsonl")
+    assert rc == 2 and not (tmp_path / "o.jsonl").exists()
+    for n, words in [(2, "not valid JSON"), (3, '"prompt" must be a str'), (5, "must be a list of ints"),
+                     (6, "must be a list of ints"), (7, "[999] are outside the vocabulary"),
+                     (8, "expected an object"), (9, "is empty")]:
+        line = [ln for ln in err.splitlines() if f"{f}:{n}:" in ln]
+        assert line and words in line[0], (n, words, err)
+    assert f"{f}:1:" not in err and f"{f}:4:" not in err and "7 bad input line(s)" in err
+
+
+def test_serve_batch_keep_going_writes_error_records(capsys, tmp_path):
+    """With --keep-going the good lines run (the real model) and the bad ones become records."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_batch", ROOT / "examples" / "serve_batch.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    f, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    f.write_text('{"prompt": "def f(x):"}\n{"prompt": 123}\n{"prompt_token_ids": "abc"}\n'
+                 '{"prompt_token_ids": [100, 101, 102]}\n')
+    rc = mod.main(["--prompts", str(f), "--output", str(out), "--num-spec", "2", "--max-tokens", "4",
+                   "--ignore-eos", "--keep-going"])
+    assert rc == 0, capsys.readouterr().err
+    rows = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2, 3]
+    assert [len(r["token_ids"]) for r in rows] == [4, 0, 0, 4]
+    assert f"{f}:2:" in rows[1]["error"] and f"{f}:3:" in rows[2]["error"]
+    assert "error" not in rows[0] and "error" not in rows[3] and rows[0]["text"]
+    assert "2/4 requests" in capsys.readouterr().out
+
+
+def test_the_shipped_example_prompts_are_valid(serve_batch):
+    prompts = serve_batch.read_prompts(str(ROOT / "examples" / "prompts.jsonl"), True, 257)
+    assert len(prompts) >= 3 and not any(isinstance(p, serve_batch.BadLine) for p in prompts)
