@@ -321,3 +321,49 @@ def test_serve_batch_keep_going_writes_error_records(capsys, tmp_path):
 def test_the_shipped_example_prompts_are_valid(serve_batch):
     prompts = serve_batch.read_prompts(str(ROOT / "examples" / "prompts.jsonl"), True, 257)
     assert len(prompts) >= 3 and not any(isinstance(p, serve_batch.BadLine) for p in prompts)
+
+
+# ---------------------------------------------------------------------------------------------
+# install: Triton only for GPUs (and the kernel tests)
+# ---------------------------------------------------------------------------------------------
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=_env(),
+                          timeout=120)
+
+
+def test_cpu_path_never_imports_triton():
+    r = _python("import sys, mtpkit\n"
+                "out = mtpkit.LLM('tiny-qwen3-next', num_spec=2).generate('x')\n"
+                "assert out[0].token_ids\n"
+                "print('triton' in sys.modules, [m for m in sys.modules if m.split('.')[0] == 'triton'\n"
+                "       or m.startswith('mtpkit.attn.triton')])")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False []", r.stdout
+
+
+def test_triton_backend_without_triton_says_what_to_install():
+    # sys.modules["triton"] = None: `import triton` raises ModuleNotFoundError, as when not installed
+    r = _python("import sys; sys.modules['triton'] = None\n"
+                "import torch, mtpkit\n"
+                "from mtpkit.attn.backend import select_backend\n"
+                "try:\n"
+                "    select_backend(torch.device('cpu'), 'triton')\n"
+                "except mtpkit.ConfigError as e:\n"
+                "    print('ConfigError:', e)\n")
+    assert r.returncode == 0, r.stderr
+    assert "ConfigError:" in r.stdout and 'pip install "mtpkit[gpu]"' in r.stdout, r.stdout
+
+
+def test_triton_is_an_extra_not_a_core_dependency():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = lambda reqs: {r.split(">")[0].split("=")[0].split("<")[0].split("[")[0].strip() for r in reqs}  # noqa: E731
+    assert "triton" not in names(project["dependencies"])
+    extras = project["optional-dependencies"]
+    assert {"triton", "fla-core"} <= names(extras["gpu"])
+    assert "triton" in names(extras["test"]) and "nbconvert" in names(extras["test"])
+    for extra in ("cuda", "fla"):  # every GPU extra brings Triton with it
+        assert "triton" in names(extras[extra])
