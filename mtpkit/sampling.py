@@ -42,7 +42,7 @@ class SamplingParams:
             problems.append(f"top_p={self.top_p!r} must be in (0, 1]")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed <= MAX_SEED):
-            problems.append(f"seed={self.seed!r} must be None or an int between 0 and 2**64-1 "
+            problems.append(f"seed={self.seed!r} must be an int or None; an int in 0..2**64-1 "
                             "(what torch.Generator.manual_seed takes)")
         bad_stop = [t for t in self.stop_token_ids
                     if not isinstance(t, int) or (vocab_size is not None and not 0 <= t < vocab_size)]
