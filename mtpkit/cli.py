@@ -52,8 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
     g.add_argument("--seed", type=_seed, default=None,
                    help="sampling seed, 0..2**64-1 (None: derived from the engine seed)")
-    g.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float64"],
-                   help="weights and activations dtype")
+    g.add_argument("--dtype", default="float32",
+                   help="float32, bfloat16, float64 (CPU), float16 (CUDA) or auto (float32 on CPU, the "
+                        "checkpoint's dtype on CUDA)")
     g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (None: CUDA when a GPU is present, else CPU)")
     g.add_argument("--no-stream", action="store_true", help="print the completion at the end")
     g.add_argument("--debug", action="store_true", help="check shapes and print the shape trace")
