@@ -13,6 +13,33 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
+SUPPORTED_DEVICES = "'cpu', 'cuda' or 'cuda:N' (a torch.device of those types works too)"
+
+
+def resolve_device(device) -> torch.device:
+    """`device`: None (CUDA when available, else CPU), a name or a torch.device of type cpu or
+    cuda. Anything else, or CUDA where torch sees no GPU, is a ConfigError saying what works."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, (str, torch.device)):
+        raise ConfigError(f"device={device!r} must be a str or torch.device: {SUPPORTED_DEVICES}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(f"device={str(device)!r} is not a device torch knows; use {SUPPORTED_DEVICES}") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device={str(device)!r} is not supported by mtpkit; use {SUPPORTED_DEVICES}")
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            why = "this torch build has no CUDA support" if torch.version.cuda is None else "torch sees no GPU"
+            raise ConfigError(f"device={str(device)!r}: there is no CUDA device ({why}); use device='cpu' "
+                              "(or device=None, which picks CUDA only when a GPU is present)")
+        if dev.index is not None and dev.index >= n:
+            raise ConfigError(f"device={str(device)!r}: only {n} CUDA device(s) (cuda:0..cuda:{n - 1})")
+    return dev
+
+
 def resolve_dtype(dtype, device: torch.device, cfg_dtype: str | None = None) -> torch.dtype:
     """`dtype` may be a torch.dtype, a name, or "auto": float32 on CPU (small-batch CPU steps
     are overhead-bound, and bf16 adds conversions), the checkpoint's dtype on CUDA."""

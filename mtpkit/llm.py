@@ -16,7 +16,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .config import EngineConfig, resolve_dtype
+from .config import EngineConfig, resolve_device, resolve_dtype
+from .detokenize import IncrementalDetokenizer
 from .engine.cache import BlockAllocator, SlotAllocator, allocate_cache
 from .engine.cache_spec import CacheSpec
 from .engine.request import Request, RequestOutput, SpecStats, Status
@@ -27,6 +28,7 @@ from .graphs.plan import build_capture_plan
 from .models.registry import read_config, resolve_model
 from .sampling import SamplingParams
 from .speculative import setup_drafter
+from .tokenizer import load_tokenizer
 
 Prompt = str | Sequence[int]
 
@@ -37,9 +39,10 @@ class StreamEvent:
 
     index: int                      # position of the prompt in the call
     new_token_ids: list[int]
-    text: str                       # the whole text so far
+    text: str                       # all final text so far (the whole text on the finishing event)
     finished: bool
     output: RequestOutput
+    delta: str = ""                 # text that became final at this event (never half a character)
 
 
 class LLM:
@@ -70,8 +73,8 @@ class LLM:
         self.model_path = path
         self.family, cfg = read_config(path)
         self.model_config = cfg
-        self.device = torch.device(device) if device is not None else torch.device(
-            "cuda" if torch.cuda.is_available() else "cpu")
+        self.tokenizer = load_tokenizer(path, cfg.vocab_size)  # a broken file is named before weights load
+        self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device, cfg.torch_dtype)
         for name, v in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
                         ("max_num_batched_tokens", max_num_batched_tokens), ("seed", seed),
@@ -181,7 +184,6 @@ class LLM:
         self.scheduler = Scheduler(ecfg, self.blocks, self.slots, dispatch)
         self.runner = ModelRunner(self.model, drafter, self.cache, ecfg, self.device,
                                   None if enforce_eager else self.capture_plan)
-        self.tokenizer = _load_tokenizer(path)
         self.eos_token_ids = _eos_ids(path, cfg)
         if self.device.type == "cpu":
             params = sum(p.numel() for p in self.model.parameters())
@@ -329,6 +331,7 @@ class LLM:
                 yield StreamEvent(i, [], "", True, self._error_output(prompts[i], msg))
             index = {r.req_id: i for i, r in reqs.items()}
             seen = {r.req_id: 0 for r in reqs.values()}
+            detok = {rid: IncrementalDetokenizer(self.tokenizer) for rid in seen}
             live = {r.req_id: r for r in reqs.values()}
             while live:
                 stepped = self.step()
@@ -342,8 +345,9 @@ class LLM:
                     new, finished = r.output_token_ids[seen[r.req_id]:], r.status == Status.FINISHED
                     if new or finished:
                         seen[r.req_id] = len(r.output_token_ids)
-                        out = self._output(r)
-                        yield StreamEvent(index[r.req_id], new, out.text or "", out.finished, out)
+                        out, d = self._output(r), detok[r.req_id]
+                        delta = d.add(new, final=out.finished)
+                        yield StreamEvent(index[r.req_id], new, d.text, out.finished, out, delta)
                     if finished:
                         del live[r.req_id]
         finally:
@@ -531,14 +535,6 @@ def _sampling_params(params) -> SamplingParams:
     if problems:
         raise InputError("invalid SamplingParams: " + "; ".join(problems))
     return dataclasses.replace(params, **values)
-
-
-def _load_tokenizer(path: Path):
-    f = path / "tokenizer.json"
-    if not f.exists():
-        return None
-    from tokenizers import Tokenizer
-    return Tokenizer.from_file(str(f))
 
 
 def _eos_ids(path: Path, cfg) -> tuple[int, ...]:

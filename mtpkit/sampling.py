@@ -13,6 +13,8 @@ import torch
 from .errors import InputError
 from .shapes import Bool, Float, Int, Tensor, checked, shaped_dataclass
 
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's largest seed
+
 
 @dataclasses.dataclass
 class SamplingParams:
@@ -40,7 +42,7 @@ class SamplingParams:
             problems.append(f"top_p={self.top_p!r} must be in (0, 1]")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             problems.append(f"seed={self.seed!r} must be an int or None")
-        elif self.seed is not None and not 0 <= self.seed < 2**64:
+        elif self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             # torch.Generator.manual_seed takes 64 bits (a negative seed aliases seed + 2**64)
             problems.append(f"seed={self.seed} must be in 0..2**64-1")
         bad_stop = [t for t in self.stop_token_ids

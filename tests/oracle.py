@@ -619,6 +619,23 @@ def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
     return out.logits[0].detach().cpu()
 
 
+# Two separately built or loaded models hold equal weights in different allocations. MKL picks
+# its code path by CPU (AVX-512 vs AVX2) and by alignment, so the same fp64 computation through
+# them can differ in the last ulp (2.2e-16 seen on an AMD EPYC). Bitwise equality is therefore
+# only asserted where it holds by construction (same model, same buffers); across separate
+# loads fp64 logits must agree to SEPARATE_LOAD_ATOL. A real bug (a missing, wrong or perturbed
+# weight) moves logits by far more: a single saved weight perturbed by 1e-6 moves them by > 1e-9
+# (tests/test_oracle.py::test_separate_load_tolerance_catches_a_perturbed_weight), while
+# rounding differences stay at ~1e-15 (logits are O(1), ~1e4 ulps of headroom).
+SEPARATE_LOAD_ATOL = 1e-11
+
+
+def assert_same_logits(got: torch.Tensor, want: torch.Tensor, atol: float = SEPARATE_LOAD_ATOL) -> None:
+    """fp64 logits of two separately loaded models agree up to rounding (see above)."""
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
+    torch.testing.assert_close(got, want, rtol=0, atol=atol)
+
+
 def _plain_greedy_config(model, max_new_tokens: int):
     from transformers import GenerationConfig
 

@@ -198,6 +198,29 @@ def test_missing_model_safetensors(hf_checkpoint, tmp_path, header_only):
     assert header_only["get_tensor"] == 0
 
 
+@pytest.mark.parametrize("how", ["truncated", "empty"])
+def test_truncated_or_empty_model_safetensors(hf_checkpoint, tmp_path, how, no_model_work):
+    """safetensors' own error names no file: the CheckpointError names it and says what is wrong."""
+    _, path = hf_checkpoint("base", SEED, with_mtp=False)
+    ck = _copy(path, tmp_path / "ck")
+    f = ck / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2] if how == "truncated" else b"")
+    msg = _raises_fast(CheckpointError, lambda: _llm(ck))
+    assert str(f) in msg and "truncated or corrupt" in msg, msg
+    assert not no_model_work
+
+
+def test_truncated_shard_of_an_index(hf_checkpoint, tmp_path):
+    model, _ = hf_checkpoint("base", SEED, with_mtp=False)
+    ck = O.save_checkpoint(model, tmp_path / "sharded", shard_size="40KB")
+    index = json.loads((ck / "model.safetensors.index.json").read_text())
+    bad = ck / sorted(set(index["weight_map"].values()))[1]
+    bad.write_bytes(bad.read_bytes()[:-100])
+    msg = _raises_fast(CheckpointError, lambda: _llm(ck))
+    assert str(bad) in msg and "truncated or corrupt" in msg, msg
+
+
 def test_missing_shard_of_an_index(hf_checkpoint, tmp_path, header_only):
     model, _ = hf_checkpoint("base", SEED, with_mtp=False)
     ck = O.save_checkpoint(model, tmp_path / "sharded", shard_size="40KB")

@@ -234,3 +234,10 @@ def test_registry_and_drafter_errors(toy, tmp_path):
         LLM(toy["target"], num_spec=2, draft_model="tiny-qwen3-next")
     with pytest.raises(ConfigError, match="num_spec=0"):
         LLM(toy["target"], draft_model=toy["other"])
+
+
+def test_cli_passes_the_draft_model(capsys):
+    """--draft-model reaches LLM (here: refused from config.json alone, before any weight)."""
+    from mtpkit import cli
+    assert cli.main(["generate", "x", "--draft-model", "tiny-qwen3-next", "--num-spec", "2"]) == 2
+    assert "keeps recurrent state" in capsys.readouterr().err

@@ -104,7 +104,32 @@ def test_build_save_with_mtp_and_reload(name, tmp_path):
     want = O.hf_logits(model, prompt)
     got = O.hf_logits(loaded, prompt)
     assert got.dtype == torch.float64 and want.shape == (9, kw["vocab_size"])
-    assert torch.equal(got, want)
+    # separately loaded: equal up to rounding, not bitwise (see oracle.SEPARATE_LOAD_ATOL)
+    O.assert_same_logits(got, want)
+
+
+def test_separate_load_tolerance_catches_a_perturbed_weight(tmp_path):
+    """The planted fault behind SEPARATE_LOAD_ATOL: one saved weight off by 1e-6 fails it."""
+    from safetensors.torch import load_file, save_file
+
+    kw = O.TINY_CONFIGS["base"]
+    model = O.build_hf_model(kw, seed=11)
+    O.save_checkpoint(model, tmp_path)
+    prompt = O.random_prompt(9, kw["vocab_size"], seed=1)
+    want = O.hf_logits(model, prompt)
+    O.assert_same_logits(O.hf_logits(O.load_hf_model(tmp_path), prompt), want)
+    f = tmp_path / "model.safetensors"
+    tensors = load_file(str(f))
+    name = "model.layers.0.linear_attn.in_proj_qkvz.weight"
+    if name not in tensors:  # the name depends on the transformers version: any layer-0 matrix
+        name = next(n for n, t in tensors.items() if n.startswith("model.layers.0.") and t.dim() == 2)
+    tensors[name][0, 0] += 1e-6
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    got = O.hf_logits(O.load_hf_model(tmp_path), prompt)
+    d = float((got - want).abs().max())
+    assert d > 100 * O.SEPARATE_LOAD_ATOL, d
+    with pytest.raises(AssertionError):
+        O.assert_same_logits(got, want)
 
 
 def test_mtp_names_match_a_saved_full_attention_layer(tmp_path):
@@ -146,11 +171,11 @@ def test_sharded_checkpoint_with_mtp(tmp_path):
         4 * int(torch.tensor(s).prod()) if s else 4 for s in on_disk.values()
     )
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "float32"
-    # the original float64 model is untouched, and the reload is exact (weights are fp32-representable)
+    # the original float64 model is untouched, and the reload holds the same weights (fp32-representable)
     assert next(model.parameters()).dtype == torch.float64
     loaded = O.load_hf_model(tmp_path)
     p = O.random_prompt(5, kw["vocab_size"], 0)
-    assert torch.equal(O.hf_logits(loaded, p), O.hf_logits(model, p))
+    O.assert_same_logits(O.hf_logits(loaded, p), O.hf_logits(model, p))  # separately loaded
 
 
 # ---------------------------------------------------------------------------------------------

@@ -209,7 +209,8 @@ def test_serve_batch_under_accelerate_launch(checkpoints, tmp_path):
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     cmd = [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port)]
-    rows, stdout = _serve(cmd, tmp_path, checkpoints / "base", "--prompts", str(tmp_path / "in.jsonl"))
+    rows, stdout = _serve(cmd, tmp_path, checkpoints / "base", "--prompts", str(tmp_path / "in.jsonl"),
+                          "--keep-going")  # the text line (no tokenizer) becomes an error record
     llm = LLM(checkpoints / "base", num_spec=2, **F64)
     ref = llm.generate([prompts[0], prompts[1], prompts[2]], SamplingParams(max_tokens=6, ignore_eos=True))
     assert [r["index"] for r in rows] == [0, 1, 2, 3]

@@ -7,6 +7,7 @@ unless overridden (`LLM(..., attn_backend="torch")`, or MTPKIT_ATTN_BACKEND for 
 
 import dataclasses
 import os
+import warnings
 from typing import Callable
 
 import torch
@@ -51,8 +52,13 @@ def select_backend(device: torch.device, override: str | None = None) -> AttnBac
         try:  # registers itself; imported lazily so that CPU runs never import Triton
             from . import triton_backend  # noqa: F401
         except ImportError as e:
+            missing = isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "triton"
+            why = ('Triton is not installed (it is an optional dependency): pip install "mtpkit[gpu]"'
+                   if missing else f"it cannot be imported: {e}")
             if name == "triton":
-                raise ConfigError(f"attention backend 'triton' cannot be imported: {e}") from e
+                raise ConfigError(f"attention backend 'triton': {why}; or use attn_backend='torch'") from e
+            warnings.warn(f"the Triton backend is not used on {device} because {why}; running the torch "
+                          "reference kernels (much slower)", RuntimeWarning, stacklevel=2)
     if name is None:
         name = "triton" if device.type == "cuda" and "triton" in _REGISTRY else "torch"
     if name not in _REGISTRY:

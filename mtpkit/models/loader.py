@@ -35,6 +35,18 @@ class Stored:
         return self._sl[:]
 
 
+def _open(f: Path):
+    """safe_open, with an unreadable file (empty, truncated, not safetensors) reported as a
+    CheckpointError naming it instead of safetensors' bare error without the path."""
+    try:
+        return safe_open(f, "pt")
+    except Exception as e:  # SafetensorError (not importable by a stable name), OSError
+        size = f.stat().st_size if f.exists() else None
+        raise CheckpointError(
+            f"{f} is truncated or corrupt ({'empty' if size == 0 else f'{size} bytes'}; safetensors: {e}); "
+            "copy or download it again") from e
+
+
 def checkpoint_index(path: Path) -> dict[str, Path]:
     """checkpoint tensor name -> safetensors file holding it."""
     single, index = path / "model.safetensors", path / "model.safetensors.index.json"
@@ -42,7 +54,7 @@ def checkpoint_index(path: Path) -> dict[str, Path]:
         weight_map = json.loads(index.read_text())["weight_map"]
         return {name: path / fname for name, fname in weight_map.items()}
     if single.exists():
-        with safe_open(single, "pt") as f:
+        with _open(single) as f:
             return {name: single for name in f.keys()}
     raise CheckpointError(f"{path} holds neither model.safetensors nor model.safetensors.index.json")
 
@@ -54,7 +66,7 @@ def _shapes(index: dict[str, Path]) -> dict[str, tuple[int, ...]]:
     for f, names in by_file.items():
         if not f.exists():
             raise CheckpointError(f"the index names {f.name}, which is not in the checkpoint directory")
-        with safe_open(f, "pt") as fh:
+        with _open(f) as fh:
             present = set(fh.keys())
             for n in names:
                 if n not in present:
@@ -142,7 +154,7 @@ def load_checkpoint(model: nn.Module, path: str | Path, dtype: torch.dtype,
         if n in shapes:
             f = index[n]
             if f not in handles:
-                handles[f] = safe_open(f, "pt")
+                handles[f] = _open(f)
             return Stored(handles[f].get_slice(n))
         src, fn = aliases[n]
         if src not in cache:
