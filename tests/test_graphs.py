@@ -176,7 +176,7 @@ def test_regression_1_ragged_capture_sizes_fail_fast_with_corrected_list(ckdir, 
 
 
 def test_regression_2_three_requests_padded_to_four(ckdir):
-    """A padded row counted as a prefill gave NaN logits and num_accepted = -1: here padded
+    """A padded row counted as a prefill gave NaN logits and prev_num_emitted = -1: here padded
     rows are inert verify rows; real rows stay finite and accept >= 1."""
     path = _ck(str(ckdir), eps=0.0)
     llm = LLM(path, num_spec=2, max_num_seqs=4, graph_sizes=[4], max_model_len=64, **F64)
@@ -185,7 +185,7 @@ def test_regression_2_three_requests_padded_to_four(ckdir):
     llm.step()
     while llm.scheduler.has_unfinished():
         llm.step()
-        assert all(1 <= r.num_accepted <= 3 for r in reqs)
+        assert all(1 <= r.prev_num_emitted <= 3 for r in reqs)
     logits = llm.runner.graphs.outputs[4]["logits"]
     assert torch.isfinite(logits[:3 * 3]).all()
     assert llm.stats.num_accepted > 0

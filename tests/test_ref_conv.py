@@ -89,10 +89,10 @@ def _history_setup(R, num_spec, dtype, seed=0, hist_len=6):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("bundle", [1, 2, 3, 4])
-def test_verify_every_num_accepted_equals_true_history(bundle, dtype):
-    """Step 1 (after prefill, num_accepted = bundle) with drafts; request i accepts i+1 of
+def test_verify_every_prev_num_emitted_equals_true_history(bundle, dtype):
+    """Step 1 (after prefill, prev_num_emitted = bundle) with drafts; request i accepts i+1 of
     them; step 2 reads its window at offset a-1 and must equal conv over the true history;
-    a padded row (slot 0, num_accepted 1) rides along."""
+    a padded row (slot 0, prev_num_emitted 1) rides along."""
     num_spec = bundle - 1
     hists, w, state = _history_setup(bundle, num_spec, dtype)
     gen = torch.Generator().manual_seed(11)
@@ -174,5 +174,5 @@ def test_debug_mode_checks_shapes():
             causal_conv1d_prefill(*pargs[:4], torch.tensor([1]), pargs[5])
         with pytest.raises(shapes.ShapeError):  # weight conv_dim disagrees with x
             causal_conv1d_verify(vargs[0], torch.zeros(C + 1, W), *vargs[2:])
-        with pytest.raises(shapes.ShapeError):  # num_accepted must be integers
+        with pytest.raises(shapes.ShapeError):  # prev_num_emitted must be integers
             causal_conv1d_verify(*vargs[:4], torch.tensor([3.0, 1.0]))

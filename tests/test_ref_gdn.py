@@ -168,7 +168,7 @@ def test_prefill_bf16_computes_in_fp32():
 
 
 def _verify_setup(bundle, dtype, hk=2, hv=4, seed=0):
-    """bundle real requests (request i has num_accepted i+1) plus one padded row."""
+    """bundle real requests (request i has prev_num_emitted i+1) plus one padded row."""
     R = bundle + 1
     q, k, v, a, b, A_log, dt_bias = raw_inputs(bundle, hk, hv, dtype=dtype, seed=seed, lead=(R,))
     num_slots = 1 + bundle * bundle + 2  # null slot, bundle slots per request, two spare
@@ -177,21 +177,21 @@ def _verify_setup(bundle, dtype, hk=2, hv=4, seed=0):
     slots = torch.zeros(R, bundle, dtype=torch.long)
     perm = torch.randperm(num_slots - 1, generator=torch.Generator().manual_seed(seed))[:bundle * bundle] + 1
     slots[:bundle] = perm.view(bundle, bundle)  # non-contiguous, shuffled slot ids
-    num_accepted = torch.tensor(list(range(1, bundle + 1)) + [1])
-    return (q, k, v, a, b, A_log, dt_bias, pool, slots, num_accepted)
+    prev_num_emitted = torch.tensor(list(range(1, bundle + 1)) + [1])
+    return (q, k, v, a, b, A_log, dt_bias, pool, slots, prev_num_emitted)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("bundle", [1, 2, 3, 4])
 def test_verify_reads_slot_a_minus_1_and_writes_every_position(bundle, dtype):
-    q, k, v, a, b, A_log, dt_bias, pool, slots, num_accepted = _verify_setup(bundle, dtype)
+    q, k, v, a, b, A_log, dt_bias, pool, slots, prev_num_emitted = _verify_setup(bundle, dtype)
     before = pool.clone()
-    out = gated_delta_rule_verify(q, k, v, a, b, A_log, dt_bias, pool, slots, num_accepted)
+    out = gated_delta_rule_verify(q, k, v, a, b, A_log, dt_bias, pool, slots, prev_num_emitted)
     assert out.dtype == dtype and out.shape == v.shape
     cd = torch.float64 if dtype == torch.float64 else torch.float32
     tol = TOL[cd] if dtype != torch.bfloat16 else dict(atol=1e-2, rtol=1e-2)
     for i in range(bundle):
-        n_acc = int(num_accepted[i])
+        n_acc = int(prev_num_emitted[i])
         qp, kp, g, beta = gdn_prepare(q[i], k[i], a[i], b[i], A_log, dt_bias, dtype=cd)
         init = before[slots[i, n_acc - 1]].to(cd)
         o_ref = []

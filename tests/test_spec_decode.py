@@ -92,7 +92,7 @@ def test_state_after_verify_equals_nonspec_state(ckdir, k):
         wrong = (ref_tokens[a] + 1) % 256
         req.drafts = (ref_tokens[1:a] + [wrong] * k)[:k]   # exactly a-1 drafts are right
         llm.step()                                   # verify
-        assert req.num_accepted == a and req.output_token_ids == ref_tokens[:a + 1]
+        assert req.prev_num_emitted == a and req.output_token_ids == ref_tokens[:a + 1]
 
         ref = LLM(path, num_spec=0, enforce_eager=True, **F64)
         rreq = ref.add_request(prompt, sp)

@@ -2,7 +2,7 @@
 interpreter, gives the same greedy tokens as the torch backend (MTP on, num_spec 2).
 
 Random MTP weights almost never draft the target's token, so a run with them only ever
-reads the GDN / conv state of num_accepted 1. The second test therefore replaces the
+reads the GDN / conv state of prev_num_emitted 1. The second test therefore replaces the
 drafts, before each verify step, by the known greedy continuation with some positions
 deliberately wrong: verify steps then accept 0, 1 or 2 drafts, and the kernels read the
 states at every offset of the speculative contract. Both backends get the same drafts.
@@ -102,6 +102,6 @@ def test_triton_backend_matches_torch_with_accepted_drafts(checkpoint, prompts, 
     assert any(n < padded for n, padded in padding)  # padded rows ran through the kernels
     assert ref_tokens == torch_greedy  # exact speculative decoding: drafts change nothing
     assert tokens == torch_greedy
-    # The drafts really were accepted, at both positions (num_accepted 1, 2 and 3 occurred).
+    # The drafts really were accepted, at both positions (prev_num_emitted 1, 2 and 3 occurred).
     assert stats.num_accepted > 0 and min(stats.acceptance_rate_per_position) > 0
     assert str(stats) == str(ref_stats)

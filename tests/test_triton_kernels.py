@@ -10,8 +10,8 @@ MTPKIT_TRITON_TEST_DEVICE=cuda runs the same tests natively on a GPU (no interpr
 GPU check script (benchmarks/gpu_kernels.py) does that before it times the kernels.
 
 Every verify call covers all accepted counts at once: a batch has one row per
-num_accepted in 1..bundle plus padded rows (every slot the null slot 0 / block-table row of
-the null block, seq_len = bundle, num_accepted 1), with real rows' slots and blocks
+prev_num_emitted in 1..bundle plus padded rows (every slot the null slot 0 / block-table row of
+the null block, seq_len = bundle, prev_num_emitted 1), with real rows' slots and blocks
 shuffled through the pool. The null slot / block holds random (finite) data: outputs of
 all rows, padded ones included, must equal the reference's. The kernels never write the
 null slot (the reference does), so slot 0 is compared with its value before the call.
@@ -83,7 +83,7 @@ def gdn_inputs(g, lead, hk, hv, dk, dv, dtype):
 
 def verify_rows(g, bundle, n_pad, num_slots_extra=3):
     """state_slots [R, bundle] (real rows: distinct shuffled slots; padded rows: 0) and
-    num_accepted [R] (1..bundle for the real rows, 1 for padded ones)."""
+    prev_num_emitted [R] (1..bundle for the real rows, 1 for padded ones)."""
     R = bundle + n_pad
     perm = torch.randperm(bundle * bundle + num_slots_extra, generator=g) + 1
     slots = torch.zeros(R, bundle, dtype=torch.int64)

@@ -2,7 +2,7 @@
 state, the oracle for the Triton kernels.
 
 A slot of the pool holds conv_state_len = W - 1 + num_spec input columns. The W-1 inputs
-that precede the next token (the "window") start at column offset num_accepted - 1:
+that precede the next token (the "window") start at column offset prev_num_emitted - 1:
 
 - verify (bundle = num_spec + 1 tokens x_0..x_{B-1} from window w): column j of the new
   state is column j + 1 of concat[w, x] (zero beyond). The state is written before the
@@ -83,20 +83,20 @@ def causal_conv1d_verify(
     weight: Float[Tensor, "conv_dim conv_width"],
     conv_state: Float[Tensor, "num_slots conv_dim conv_state_len"],
     slots: Int[Tensor, "num_reqs_padded"],
-    num_accepted: Int[Tensor, "num_reqs_padded"],
+    prev_num_emitted: Int[Tensor, "num_reqs_padded"],
 ) -> Float[Tensor, "num_reqs_padded bundle conv_dim"]:
     """A uniform verify/decode step, batched over requests: request i's window starts at
-    column num_accepted[i] - 1 of conv_state[slots[i]]; afterwards column j of that slot
+    column prev_num_emitted[i] - 1 of conv_state[slots[i]]; afterwards column j of that slot
     holds column j + 1 of [window, x_i] (zeros past its end). Padded rows use slot 0 and
-    num_accepted 1. Returns silu(conv(x)) in x's dtype."""
+    prev_num_emitted 1. Returns silu(conv(x)) in x's dtype."""
     cd = _compute_dtype(x)
     R, B, C = x.shape
     W, L = weight.shape[1], conv_state.shape[2]
     if L < W - 1 + B - 1:
         raise ValueError(f"conv_state_len ({L}) must be at least conv_width - 1 + bundle - 1 "
-                         f"({W - 1 + B - 1}) so that every num_accepted in 1..bundle has a window")
+                         f"({W - 1 + B - 1}) so that every prev_num_emitted in 1..bundle has a window")
     state = conv_state[slots]  # a copy: reads finish before the write below
-    cols = torch.arange(W - 1, device=x.device) + (num_accepted - 1)[:, None]
+    cols = torch.arange(W - 1, device=x.device) + (prev_num_emitted - 1)[:, None]
     window = state.gather(2, cols[:, None, :].expand(R, C, W - 1))
     xt = x.transpose(1, 2)
     seq = torch.cat([window if window.dtype == cd else window.to(cd), xt if xt.dtype == cd else xt.to(cd)],

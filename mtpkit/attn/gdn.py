@@ -224,12 +224,12 @@ def gated_delta_rule_verify(
     dt_bias: Float[Tensor, "v_heads"],
     ssm_state: Float[Tensor, "num_slots v_heads k_dim v_dim"],
     state_slots: Int[Tensor, "num_reqs_padded bundle"],
-    num_accepted: Int[Tensor, "num_reqs_padded"],
+    prev_num_emitted: Int[Tensor, "num_reqs_padded"],
 ) -> Float[Tensor, "num_reqs_padded bundle v_heads v_dim"]:
     """A uniform verify/decode step (vLLM's contract, spec_decode.md): request i starts
-    from ssm_state[state_slots[i, num_accepted[i] - 1]] and the state after its token t
+    from ssm_state[state_slots[i, prev_num_emitted[i] - 1]] and the state after its token t
     is written to ssm_state[state_slots[i, t]]. Padded rows point every slot at the null
-    slot 0 with num_accepted 1: they read and write only slot 0 (finite as long as the
+    slot 0 with prev_num_emitted 1: they read and write only slot 0 (finite as long as the
     pool was zero-initialised, since only finite states are ever written there).
 
     The same preparation as gdn_prepare, batched over requests, with the value heads grouped
@@ -249,9 +249,9 @@ def gated_delta_rule_verify(
     vs = _as(v, cd).view(R, B, HK, r, 1, DV).unbind(1)
     k_row, k_col = k.view(R, B, HK, 1, 1, DK).unbind(1), k.view(R, B, HK, 1, DK, 1).unbind(1)
     q_row = q.view(R, B, HK, 1, 1, DK).unbind(1)
-    read = state_slots.gather(1, num_accepted[:, None] - 1)[:, 0]
+    read = state_slots.gather(1, prev_num_emitted[:, None] - 1)[:, 0]
     # Advanced indexing copies, so the read happens before the writes below (with
-    # num_accepted == bundle the read slot is also the slot written at the last position),
+    # prev_num_emitted == bundle the read slot is also the slot written at the last position),
     # and the copy can be updated in place: each token's state goes to its slot at once.
     state = ssm_state[read].to(cd).view(R, HK, r, DK, DV)
     slots, outs = state_slots.unbind(1), []

@@ -7,7 +7,7 @@ Two layouts, and only two:
   one-token pass has q_len = 1 (its own dimension, so a trace never reads "bundle=1").
   Rows are padded to `num_reqs_padded` (a captured graph size). Padded rows are real rows
   that point at null storage: token 0, positions 0..q-1, seq_len q, block-table row of the
-  null block (0), state slots of the null slot (0), num_accepted 1. They compute finite
+  null block (0), state slots of the null slot (0), prev_num_emitted 1. They compute finite
   garbage into null storage and are never sampled.
 
 Builders run on the host (lists -> one tensor each) and move every tensor to the device once.
@@ -38,7 +38,7 @@ class UniformRow:
     start: int                 # position of token_ids[0]
     block_ids: list[int]
     state_slots: list[int]     # the request's bundle state slots (verify); ignored by draft passes
-    num_accepted: int          # tokens accepted for this request in its previous step (>= 1)
+    prev_num_emitted: int          # tokens accepted for this request in its previous step (>= 1)
 
 
 @shaped_dataclass(frozen=True)
@@ -60,7 +60,7 @@ class UniformMetadata:
     block_table: Int[Tensor, "num_reqs_padded max_blocks"]
     slot_mapping: Int[Tensor, "num_tokens"]
     state_slots: Int[Tensor, "num_reqs_padded q_len"]  # verify: the request's bundle slots
-    num_accepted: Int[Tensor, "num_reqs_padded"]
+    prev_num_emitted: Int[Tensor, "num_reqs_padded"]
     num_reqs: int                                      # real rows; the rest are padding
     num_reqs_padded: int
     q_len: int                                         # query tokens per row
@@ -122,7 +122,7 @@ def build_prefill(
 def padded_row(q: int, bundle_slots: int) -> UniformRow:
     """The inert row that pads a uniform step (see the module docstring)."""
     return UniformRow(token_ids=[0] * q, start=0, block_ids=[], state_slots=[0] * bundle_slots,
-                      num_accepted=1)
+                      prev_num_emitted=1)
 
 
 @checked
@@ -150,18 +150,18 @@ def build_uniform(
         table.append(r.block_ids + [0] * (max_blocks - len(r.block_ids)))
     seq_lens = [r.start + q for r in rows]
 
-    def t(x):
+    def as_tensor(x):
         return torch.tensor(x, dtype=torch.int64, device=device)
 
     meta = UniformMetadata(
-        seq_lens=t(seq_lens),
-        block_table=t(table),
-        slot_mapping=t(slots),
-        state_slots=t([r.state_slots for r in rows]),
-        num_accepted=t([r.num_accepted for r in rows]),
+        seq_lens=as_tensor(seq_lens),
+        block_table=as_tensor(table),
+        slot_mapping=as_tensor(slots),
+        state_slots=as_tensor([r.state_slots for r in rows]),
+        prev_num_emitted=as_tensor([r.prev_num_emitted for r in rows]),
         num_reqs=num_reqs,
         num_reqs_padded=num_reqs_padded,
         q_len=q,
         max_seq_len=max(seq_lens),
     )
-    return t([x for r in rows for x in r.token_ids]), t(positions), meta
+    return as_tensor([x for r in rows for x in r.token_ids]), as_tensor(positions), meta

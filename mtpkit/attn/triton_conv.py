@@ -6,7 +6,7 @@ Notation: W = conv_width, L = conv_state_len (>= W - 1), a slot's columns hold p
 
 Verify / bundle update (`causal_conv1d_verify`), one launch, grid
 (num_reqs_padded, cdiv(conv_dim, BLOCK_C)). A program owns BLOCK_C channels of one request.
-It views seq = [window, x_0..x_{B-1}], window = columns num_accepted-1 .. num_accepted+W-3
+It views seq = [window, x_0..x_{B-1}], window = columns prev_num_emitted-1 .. prev_num_emitted+W-3
 of the request's slot, and gathers straight from memory:
   - a [BLOCK_C, SEQ] tile of seq (for the outputs: out_t = silu(sum_w weight[:, w] * seq[t+w]),
     the weight loaded shifted by t so the sum is one masked row-reduction per token),
@@ -174,23 +174,23 @@ def causal_conv1d_verify(
     weight: Float[Tensor, "conv_dim conv_width"],
     conv_state: Float[Tensor, "num_slots conv_dim conv_state_len"],
     slots: Int[Tensor, "num_reqs_padded"],
-    num_accepted: Int[Tensor, "num_reqs_padded"],
+    prev_num_emitted: Int[Tensor, "num_reqs_padded"],
 ) -> Float[Tensor, "num_reqs_padded bundle conv_dim"]:
     """Triton version of conv.causal_conv1d_verify (see the module docstring); differs
     only in never writing the null slot 0."""
     if _use_reference(x, conv_state):
-        return ref.causal_conv1d_verify(x, weight, conv_state, slots, num_accepted)
+        return ref.causal_conv1d_verify(x, weight, conv_state, slots, prev_num_emitted)
     R, B, C = x.shape
     W, L = weight.shape[1], conv_state.shape[2]
     if L < W - 1 + B - 1:
         raise ValueError(f"conv_state_len ({L}) must be at least conv_width - 1 + bundle - 1 "
-                         f"({W - 1 + B - 1}) so that every num_accepted in 1..bundle has a window")
+                         f"({W - 1 + B - 1}) so that every prev_num_emitted in 1..bundle has a window")
     out = torch.empty(R, B, C, dtype=x.dtype, device=x.device)
     if R == 0:
         return out
     grid = (R, triton.cdiv(C, BLOCK_C))
     _conv_verify_kernel[grid](
-        x, weight, conv_state, slots.contiguous(), num_accepted.contiguous(), out,
+        x, weight, conv_state, slots.contiguous(), prev_num_emitted.contiguous(), out,
         *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(), C,
         W=W, B=B, L=L, SEQ=triton.next_power_of_2(W - 1 + B), LP=triton.next_power_of_2(L),
         BLOCK_C=BLOCK_C, num_warps=4,

@@ -6,7 +6,7 @@ Verify / decode (`gated_delta_rule_verify`): ONE launch per layer and step over
 [num_reqs_padded, bundle] tokens. Grid (num_reqs_padded, v_heads, cdiv(v_dim, BV)); a program
 keeps a [k_dim, BV] tile of its request's state in registers (fp32):
 
-- reads the initial state from ssm_state[state_slots[r, num_accepted[r] - 1]] (every read
+- reads the initial state from ssm_state[state_slots[r, prev_num_emitted[r] - 1]] (every read
   of a tile happens before any write of the same tile, and only this program touches that
   tile, so the read slot may also be a written slot);
 - per bundle token t (unrolled): q/k L2 normalisation (eps inside the rsqrt) and q scaling,
@@ -15,7 +15,7 @@ keeps a [k_dim, BV] tile of its request's state in registers (fp32):
   update and the output, all fused;
 - writes the state after token t to ssm_state[state_slots[r, t]].
 
-The null slot 0 is never written: padded rows (every slot 0, num_accepted 1) read slot 0 and
+The null slot 0 is never written: padded rows (every slot 0, prev_num_emitted 1) read slot 0 and
 compute finite garbage outputs like the reference does, but leave the pool untouched. (The
 reference writes slot 0; with several padded rows those writes would race on a GPU. The
 outputs of all rows are identical to the reference's as long as slot 0 is what it was
@@ -209,13 +209,13 @@ def gated_delta_rule_verify(
     dt_bias: Float[Tensor, "v_heads"],
     ssm_state: Float[Tensor, "num_slots v_heads k_dim v_dim"],
     state_slots: Int[Tensor, "num_reqs_padded bundle"],
-    num_accepted: Int[Tensor, "num_reqs_padded"],
+    prev_num_emitted: Int[Tensor, "num_reqs_padded"],
 ) -> Float[Tensor, "num_reqs_padded bundle v_heads v_dim"]:
     """Triton version of gdn.gated_delta_rule_verify (one launch; see the module docstring).
     Differs only in never writing the null slot 0."""
     if _use_reference(q, k, v, ssm_state):
         return ref.gated_delta_rule_verify(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots,
-                                           num_accepted)
+                                           prev_num_emitted)
     R, B, HK, DK = q.shape
     HV, DV = v.shape[2], v.shape[3]
     if HV % HK:
@@ -224,11 +224,11 @@ def gated_delta_rule_verify(
     if R == 0:
         return out
     A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
-    num_accepted = num_accepted.contiguous()
+    prev_num_emitted = prev_num_emitted.contiguous()
     BK, BV, warps = _blocks(DK, DV)
     grid = (R, HV, triton.cdiv(DV, BV))
     _gdn_verify_kernel[grid](
-        q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots, num_accepted, out,
+        q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots, prev_num_emitted, out,
         *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(), *ssm_state.stride(),
         *state_slots.stride(), *out.stride()[:3],
         DK ** -0.5,

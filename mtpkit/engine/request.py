@@ -83,7 +83,7 @@ class Request:
     prefill_target: int = 0        # tokens to prefill (prompt + outputs when recomputed)
     block_ids: list[int] = dataclasses.field(default_factory=list)
     state_slots: list[int] | None = None
-    num_accepted: int = 1          # a of the previous step: selects the GDN state to read
+    prev_num_emitted: int = 1      # tokens the previous step emitted (a >= 1): selects the state to read
     drafts: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     num_preemptions: int = 0

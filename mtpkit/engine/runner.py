@@ -114,7 +114,7 @@ class ModelRunner:
         reqs, R, B, k = plan.reqs, plan.num_reqs, plan.bundle, plan.bundle - 1
         n = plan.num_reqs_padded
         rows = [UniformRow([r.all_token_ids[-1]] + r.drafts, r.num_computed, r.block_ids,
-                           r.state_slots, r.num_accepted) for r in reqs]
+                           r.state_slots, r.prev_num_emitted) for r in reqs]
         meta = None
         if self.graphs is not None:
             hidden, logits, positions, token_ids = self.graphs.verify(rows, n)

@@ -39,7 +39,7 @@ class ReqResult:
     """What one step produced for one request."""
 
     emitted: list[int]               # new tokens (empty for a non-final prefill chunk)
-    num_accepted: int                # VERIFY: tokens of the bundle accepted (>= 1)
+    num_emitted: int                 # VERIFY: tokens of the bundle emitted (accepted drafts + 1)
     drafted: int                     # VERIFY: drafts that could have been accepted
     drafts: list[int]                # proposals for the next verify step
 
@@ -137,7 +137,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             r.status, r.state_slots = Status.RUNNING, slots
-            r.num_computed, r.prefill_target, r.num_accepted, r.drafts = 0, target, 1, []
+            r.num_computed, r.prefill_target, r.prev_num_emitted, r.drafts = 0, target, 1, []
             self.running.append(r)
             reqs.append(r), lens.append(n)
             budget -= n
@@ -169,7 +169,7 @@ class Scheduler:
 
     def _preempt(self, r: Request) -> None:
         self._release(r)
-        r.status, r.num_computed, r.prefill_target, r.drafts, r.num_accepted = Status.WAITING, 0, 0, [], 1
+        r.status, r.num_computed, r.prefill_target, r.drafts, r.prev_num_emitted = Status.WAITING, 0, 0, [], 1
         r.num_preemptions += 1
         self.waiting.appendleft(r)
 
@@ -216,11 +216,11 @@ class Scheduler:
                 r.num_computed += plan.chunk_lens[i]
                 if r.in_prefill:
                     continue
-                r.num_accepted = plan.bundle  # prefill leaves state as if the whole bundle was accepted
+                r.prev_num_emitted = plan.bundle  # prefill leaves state as if the whole bundle was accepted
             else:
-                r.num_computed += res.num_accepted
-                r.num_accepted = res.num_accepted
-                r.stats.record(res.drafted, res.num_accepted - 1)
+                r.num_computed += res.num_emitted
+                r.prev_num_emitted = res.num_emitted
+                r.stats.record(res.drafted, res.num_emitted - 1)
             r.drafts = res.drafts
             if self._append(r, res.emitted):
                 finished.append(r)

@@ -64,7 +64,7 @@ class StaticBuffers:
     seq_lens: Tensor         # [max_reqs]
     block_table: Tensor      # [max_reqs, max_blocks]
     state_slots: Tensor      # [max_reqs, bundle]
-    num_accepted: Tensor     # [max_reqs]
+    prev_num_emitted: Tensor     # [max_reqs]
     emitted: Tensor          # [max_reqs * bundle]  (propose: what the verify step emitted, per row)
     num_emitted: Tensor      # [max_reqs]           (propose: how many)
 
@@ -87,7 +87,7 @@ class StaticBuffers:
         self.seq_lens[:n].fill_(bundle)
         self.block_table[:n].zero_()
         self.state_slots[:n].zero_()
-        self.num_accepted[:n].fill_(1)
+        self.prev_num_emitted[:n].fill_(1)
         self.emitted[:n * bundle].zero_()
         self.num_emitted[:n].fill_(1)
 
@@ -95,7 +95,7 @@ class StaticBuffers:
         """The views a verify graph reads, in its argument order."""
         T = n * bundle
         return (self.token_ids[:T], self.positions[:T], self.slot_mapping[:T], self.seq_lens[:n],
-                self.block_table[:n], self.state_slots[:n], self.num_accepted[:n])
+                self.block_table[:n], self.state_slots[:n], self.prev_num_emitted[:n])
 
 
 class GraphRunner:
@@ -123,9 +123,9 @@ class GraphRunner:
     # graph records them once). The cache tensors are arguments too, not constants a trace
     # would hold: TorchScript's optimiser may fold ops on constants, and the caches change
     # between replays.
-    def _meta(self, slot_mapping, seq_lens, block_table, state_slots, num_accepted, max_seq_len) -> UniformMetadata:
+    def _meta(self, slot_mapping, seq_lens, block_table, state_slots, prev_num_emitted, max_seq_len) -> UniformMetadata:
         n = seq_lens.shape[0]
-        return UniformMetadata(seq_lens, block_table, slot_mapping, state_slots, num_accepted, n, n,
+        return UniformMetadata(seq_lens, block_table, slot_mapping, state_slots, prev_num_emitted, n, n,
                                self.bundle, max_seq_len)
 
     @checked
@@ -134,9 +134,9 @@ class GraphRunner:
         token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
         slot_mapping: Int[Tensor, "num_tokens"], seq_lens: Int[Tensor, "num_reqs_padded"],
         block_table: Int[Tensor, "num_reqs_padded max_blocks"], state_slots: Int[Tensor, "num_reqs_padded bundle"],
-        num_accepted: Int[Tensor, "num_reqs_padded"], *cache: Tensor,
+        prev_num_emitted: Int[Tensor, "num_reqs_padded"], *cache: Tensor,
     ) -> tuple[Float[Tensor, "num_tokens hidden"], Float[Tensor, "num_tokens vocab"]]:
-        meta = self._meta(slot_mapping, seq_lens, block_table, state_slots, num_accepted, max_seq_len)
+        meta = self._meta(slot_mapping, seq_lens, block_table, state_slots, prev_num_emitted, max_seq_len)
         hidden = self.model(token_ids, positions, meta, self.cache.with_tensors(cache))
         return hidden, self.model.compute_logits(hidden)
 
@@ -148,11 +148,11 @@ class GraphRunner:
         token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
         slot_mapping: Int[Tensor, "num_tokens"], seq_lens: Int[Tensor, "num_reqs_padded"],
         block_table: Int[Tensor, "num_reqs_padded max_blocks"], state_slots: Int[Tensor, "num_reqs_padded bundle"],
-        num_accepted: Int[Tensor, "num_reqs_padded"], *cache: Tensor,
+        prev_num_emitted: Int[Tensor, "num_reqs_padded"], *cache: Tensor,
     ) -> Int[Tensor, "num_reqs_padded num_spec"]:
         n = num_emitted.shape[0]
         next_tokens, last_idx = verify_outcome(token_ids.view(n, -1), emitted.view(n, -1), num_emitted)
-        meta = self._meta(slot_mapping, seq_lens, block_table, state_slots, num_accepted, max_seq_len)
+        meta = self._meta(slot_mapping, seq_lens, block_table, state_slots, prev_num_emitted, max_seq_len)
         inp = DraftInputs(hidden, token_ids, next_tokens, positions, slot_mapping, last_idx, block_table,
                           max_seq_len, meta)
         return self.drafter.propose(inp, self.cache.with_tensors(cache))
@@ -289,7 +289,7 @@ class GraphRunner:
         buf.seq_lens[:n].copy_(meta.seq_lens)
         buf.block_table[:n].copy_(meta.block_table)
         buf.state_slots[:n].copy_(meta.state_slots)
-        buf.num_accepted[:n].copy_(meta.num_accepted)
+        buf.prev_num_emitted[:n].copy_(meta.prev_num_emitted)
         if self.cuda:
             self.verify_graphs[n].replay()
             self._last = LastVerify(n, None, self.cfg.max_positions)
@@ -335,8 +335,8 @@ class GraphRunner:
         if (not self.trace or is_debug() or self.drafter.needs_step_metadata or R > self.plan.max_num_seqs
                 or T > MAX_TRACED_PREFILL):
             return self.drafter.propose(inp, self.cache)
-        t, n, context = max(16, 1 << (T - 1).bit_length()), self.plan.dispatch(R), self.context_bucket(inp.max_seq_len)
-        key = (t, n, context)
+        T_pad, n, context = max(16, 1 << (T - 1).bit_length()), self.plan.dispatch(R), self.context_bucket(inp.max_seq_len)
+        key = (T_pad, n, context)
         uses = self._prefill_uses[key] = self._prefill_uses.get(key, 0) + 1
         fn = self.prefill_graphs.get(key)
 
@@ -344,17 +344,17 @@ class GraphRunner:
             return x if x.shape[0] == size else torch.cat([x, x.new_zeros((size - x.shape[0],) + tuple(x.shape[1:]))])
         if fn is None and uses > self.trace_after:
             hidden, last_idx, block_table = inp.hidden, inp.last_idx, inp.block_table
-            inert = (hidden.new_zeros(t, hidden.shape[1]),) + tuple(last_idx.new_zeros(t) for _ in range(4)) + (
+            inert = (hidden.new_zeros(T_pad, hidden.shape[1]),) + tuple(last_idx.new_zeros(T_pad) for _ in range(4)) + (
                 last_idx.new_zeros(n), block_table.new_zeros(n, block_table.shape[1]))
             try:
                 fn = self.prefill_graphs[key] = self._trace(self._prefill_fn(context), inert + self.cache.tensors(),
-                                                            f"prefill_proposal_{t}_{n}_{context}")
+                                                            f"prefill_proposal_{T_pad}_{n}_{context}")
             except Exception as e:  # noqa: BLE001 - the direct call below needs no tracer
                 self._trace_failed(e)
         if fn is None:
             return self.drafter.propose(inp, self.cache)
-        return fn(pad(inp.hidden, t), pad(inp.token_ids, t), pad(inp.next_tokens, t), pad(inp.positions, t),
-                  pad(inp.slot_mapping, t), pad(inp.last_idx, n), pad(inp.block_table, n), *self.cache.tensors())[:R]
+        return fn(pad(inp.hidden, T_pad), pad(inp.token_ids, T_pad), pad(inp.next_tokens, T_pad), pad(inp.positions, T_pad),
+                  pad(inp.slot_mapping, T_pad), pad(inp.last_idx, n), pad(inp.block_table, n), *self.cache.tensors())[:R]
 
     def describe(self) -> str:
         mode = ("CUDA graphs" if self.cuda else "TorchScript traces on CPU" if self.trace

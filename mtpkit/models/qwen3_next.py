@@ -192,7 +192,7 @@ class GatedDeltaNet(nn.Module):
         else:
             R, B = meta.num_reqs_padded, meta.q_len
             mixed = self.ops.causal_conv1d_verify(mixed.view(R, B, -1), self.conv_weight, conv_state,
-                                                  meta.state_slots[:, 0], meta.num_accepted).reshape(T, -1)
+                                                  meta.state_slots[:, 0], meta.prev_num_emitted).reshape(T, -1)
         q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.view(T, hk, dk), k.view(T, hk, dk), v.view(T, hv, dv)
         if isinstance(meta, PrefillMetadata):
@@ -203,7 +203,7 @@ class GatedDeltaNet(nn.Module):
             R, B = meta.num_reqs_padded, meta.q_len
             o = self.ops.gated_delta_rule_verify(
                 q.view(R, B, hk, dk), k.view(R, B, hk, dk), v.view(R, B, hv, dv), a.view(R, B, hv),
-                b.view(R, B, hv), self.A_log, self.dt_bias, ssm_state, meta.state_slots, meta.num_accepted)
+                b.view(R, B, hv), self.A_log, self.dt_bias, ssm_state, meta.state_slots, meta.prev_num_emitted)
         o = self.norm(o.view(T, hv, dv), z).reshape(T, hv * dv)
         return self.out_proj(o)
 

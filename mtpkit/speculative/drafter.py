@@ -125,7 +125,7 @@ def draft_pass_metadata(
         block_table=block_table,
         slot_mapping=kv_slots.gather(1, positions[:, None])[:, 0],
         state_slots=torch.zeros(R, 1, dtype=torch.int64, device=positions.device),
-        num_accepted=torch.ones(R, dtype=torch.int64, device=positions.device),
+        prev_num_emitted=torch.ones(R, dtype=torch.int64, device=positions.device),
         num_reqs=R, num_reqs_padded=R, q_len=1,
         max_seq_len=kv_slots.shape[1],
         kv_slots=kv_slots,
