@@ -1,8 +1,21 @@
-"""Sampling parameters, their per-step tensors, and the target distribution p.
+"""Sampling parameters, their per-step tensors, the target distribution p, and the draws.
 
 Greedy rows (temperature 0) take the argmax; random rows apply temperature, then top-k, then
-top-p, and draw with the request's own torch.Generator so a seeded request is reproducible
-whatever else is in the batch.
+top-p (`target_probs`), and draw with an exponential race (`sample_tokens`): the token at a
+position is argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. over the vocabulary. Since
+P(E_i / p_i < E_j / p_j for all j != i) = p_i, that is exactly a sample from p (the
+Gumbel-max trick: -log E_i is Gumbel).
+
+The E are not drawn from a stream. They are a pure function of (request seed, absolute
+position of the token being sampled, vocabulary index): a 64-bit key hashed from (seed,
+position) with splitmix64, injective in the position for a given seed, then the splitmix64
+sequence of that key over the vocabulary (`noise_key`, `exponential_noise`). So a token's
+randomness does not depend on how many draws came before it: a seeded request gives the same
+tokens whatever else is in the batch, when it is preempted and recomputed, and however the
+steps are scheduled; with speculation the drafts only decide how many of these tokens a step
+emits (see speculative/rejection.py). The noise is integer arithmetic on tensors, identical
+on every device, and a random row always costs the same: bundle * vocab values per step.
+(torch.Generator would not do: a CPU generator keeps only the low 32 bits of its seed.)
 """
 
 import dataclasses
@@ -95,7 +108,53 @@ def target_probs(
     return probs
 
 
+_MASK = (1 << 64) - 1
+_GOLDEN, _MUL1, _MUL2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's output function of x + golden ratio: a bijection of 64-bit integers."""
+    x = (x + _GOLDEN) & _MASK
+    x = ((x ^ (x >> 30)) * _MUL1) & _MASK
+    x = ((x ^ (x >> 27)) * _MUL2) & _MASK
+    return x ^ (x >> 31)
+
+
+def noise_key(seed: int, position: int) -> int:
+    """The 64-bit key of (request seed, token position), as a signed int64 value. For one seed
+    distinct positions get distinct keys (mix64 is a bijection); keys of different seeds
+    collide with probability 2^-64. Seeds are taken modulo 2^64."""
+    key = _mix64(_mix64(seed & _MASK) ^ (position & _MASK))
+    return key - (1 << 64) if key >= 1 << 63 else key
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
 @checked
-def sample_rows(probs: Float[Tensor, "num_reqs vocab"], generators: list) -> Int[Tensor, "num_reqs"]:
-    """One draw per row of probs [n, vocab], each with its own generator."""
-    return torch.cat([torch.multinomial(p[None], 1, generator=g)[0] for p, g in zip(probs, generators)])
+def exponential_noise(keys: Int[Tensor, "num_reqs bundle"], vocab: int) -> Float[Tensor, "num_reqs bundle vocab"]:
+    """E ~ Exp(1) for every (row, position, token): element i of the splitmix64 sequence of the
+    key (int64 arithmetic wraps modulo 2^64 in torch), its top 53 bits as a uniform in (0, 1),
+    E = -log(u). float64."""
+    z = keys[..., None] + torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device) * _signed(_GOLDEN)
+    z = (z ^ _shr(z, 30)) * _signed(_MUL1)
+    z = (z ^ _shr(z, 27)) * _signed(_MUL2)
+    z = z ^ _shr(z, 31)
+    u = (_shr(z, 11).double() + 0.5) * 2.0 ** -53
+    return -torch.log(u)
+
+
+@checked
+def sample_tokens(probs: Float[Tensor, "num_reqs bundle vocab"], seeds: list, positions: list) -> Int[Tensor, "num_reqs bundle"]:
+    """The token at each (row, bundle index): argmax_i p_i / E_i, with the E of (seeds[row],
+    positions[row] + index). A fixed number of values per row, whatever is accepted later."""
+    R, B, V = probs.shape
+    keys = torch.tensor([[noise_key(s, p + j) for j in range(B)] for s, p in zip(seeds, positions)],
+                        dtype=torch.int64).to(probs.device).view(R, B)
+    return (probs.double() / exponential_noise(keys, V)).argmax(-1)

@@ -6,8 +6,8 @@ inert by construction.
 
 Under tensor parallelism every rank runs this same code on the same inputs. The sampled tokens,
 accepted counts and drafts decide the next step's inputs on every rank (and so what the model's
-collectives combine), so rank 0's are broadcast: identical decisions do not rest on identical
-generator streams or on every rank's argmax breaking ties alike.
+collectives combine), so rank 0's are broadcast: identical decisions do not rest on every rank's logits being
+bit-identical or on every rank's argmax breaking ties alike.
 """
 
 import torch
@@ -77,7 +77,7 @@ class ModelRunner:
             empty = torch.zeros(len(done), 0, dtype=torch.int64, device=self.device)
             tokens, _ = rejection_sample(logits, empty, torch.zeros(len(done), dtype=torch.int64,
                                                                     device=self.device),
-                                         st, [r.generator for r in sub])
+                                         st, [r.seed for r in sub], [r.prefill_target for r in sub])
             sampled = self.tp.broadcast(tokens[:, 0].contiguous()).tolist()
             for i, t in zip(done, sampled):
                 results[i].emitted = [t]
@@ -128,7 +128,9 @@ class ModelRunner:
         limit_list = [min(k, max(r.remaining(self.cfg.max_model_len) - 1, 0)) for r in reqs]
         limit = torch.tensor(limit_list, dtype=torch.int64, device=self.device)
         st = self._sampling([r.params for r in reqs])
-        tokens, n_emit = rejection_sample(logits, drafts, limit, st, [r.generator for r in reqs])
+        # Bundle index j samples the token at position num_computed + 1 + j.
+        tokens, n_emit = rejection_sample(logits, drafts, limit, st, [r.seed for r in reqs],
+                                          [r.num_computed + 1 for r in reqs])
         if self.tp.size > 1:  # one broadcast for both
             both = self.tp.broadcast(torch.cat([tokens, n_emit[:, None]], dim=1))
             tokens, n_emit = both[:, :B], both[:, B]
