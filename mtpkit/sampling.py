@@ -134,20 +134,20 @@ def _signed(c: int) -> int:
 
 def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
     """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (z >> s) & ((1 << (64 - s)) - 1)
+    return torch.bitwise_right_shift(z, s).bitwise_and_((1 << (64 - s)) - 1)
 
 
 @checked
 def exponential_noise(keys: Int[Tensor, "num_reqs bundle"], vocab: int) -> Float[Tensor, "num_reqs bundle vocab"]:
     """E ~ Exp(1) for every (row, position, token): element i of the splitmix64 sequence of the
     key (int64 arithmetic wraps modulo 2^64 in torch), its top 53 bits as a uniform in (0, 1),
-    E = -log(u). float64."""
-    z = keys[..., None] + torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device) * _signed(_GOLDEN)
-    z = (z ^ _shr(z, 30)) * _signed(_MUL1)
-    z = (z ^ _shr(z, 27)) * _signed(_MUL2)
-    z = z ^ _shr(z, 31)
-    u = (_shr(z, 11).double() + 0.5) * 2.0 ** -53
-    return -torch.log(u)
+    E = -log(u). float64; in place where it can, it runs at vocabulary size."""
+    steps = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device).mul_(_signed(_GOLDEN))
+    z = keys[..., None] + steps
+    z.bitwise_xor_(_shr(z, 30)).mul_(_signed(_MUL1))
+    z.bitwise_xor_(_shr(z, 27)).mul_(_signed(_MUL2))
+    z.bitwise_xor_(_shr(z, 31))
+    return _shr(z, 11).double().add_(0.5).mul_(2.0 ** -53).log_().neg_()
 
 
 @checked
@@ -157,4 +157,4 @@ def sample_tokens(probs: Float[Tensor, "num_reqs bundle vocab"], seeds: list, po
     R, B, V = probs.shape
     keys = torch.tensor([[noise_key(s, p + j) for j in range(B)] for s, p in zip(seeds, positions)],
                         dtype=torch.int64).to(probs.device).view(R, B)
-    return (probs.double() / exponential_noise(keys, V)).argmax(-1)
+    return exponential_noise(keys, V).reciprocal_().mul_(probs).argmax(-1)
