@@ -129,3 +129,27 @@ def test_rejection_sample_draws_per_position():
     finally:
         sampling.exponential_noise = orig
     assert tokens.tolist() == logits.argmax(-1).tolist() and n_emit.tolist() == [B] * R
+
+
+def test_noise_is_splitmix64_of_seed_and_position():
+    """The tensor hash equals splitmix64 in Python integers (int64 wrap-around, logical shifts),
+    keys differ across positions and seeds, and E is Exp(1) (mean, variance, P(E > 1))."""
+    import math
+
+    from mtpkit.sampling import _MASK, _mix64, exponential_noise, noise_keys
+
+    seeds, pos = [5, -3, 2**64 - 1, 1 << 70], torch.tensor([[0, 1], [17, 18], [4095, 4096], [3, 4]])
+    keys = noise_keys(seeds, pos)
+    E = exponential_noise(keys, 6)
+    for r, s in enumerate(seeds):
+        for j in range(2):
+            key = _mix64(_mix64(s & _MASK) ^ int(pos[r, j]))
+            assert int(keys[r, j]) & _MASK == key
+            want = [-math.log(((_mix64((key + i * 0x9E3779B97F4A7C15) & _MASK) >> 11) + 0.5) * 2.0 ** -53)
+                    for i in range(6)]
+            assert E[r, j].tolist() == pytest.approx(want, rel=1e-15)
+    many = noise_keys(list(range(64)), torch.arange(64)[None, :].expand(64, 64).contiguous())
+    assert many.unique().numel() == 64 * 64
+    E = exponential_noise(many, 257)
+    assert abs(E.mean().item() - 1) < 0.01 and abs(E.var().item() - 1) < 0.03
+    assert abs((E > 1).double().mean().item() - math.exp(-1)) < 0.005
