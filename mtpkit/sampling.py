@@ -162,7 +162,9 @@ def exponential_noise(keys: Int[Tensor, "num_reqs bundle"], vocab: int) -> Float
 
 
 @checked
-def sample_tokens(probs: Float[Tensor, "num_reqs bundle vocab"], seeds: list, positions: list) -> Int[Tensor, "num_reqs bundle"]:
+def sample_tokens(
+    probs: Float[Tensor, "num_reqs bundle vocab"], seeds: list, positions: list
+) -> Int[Tensor, "num_reqs bundle"]:
     """The token at each (row, bundle index j): argmax_i p_i / E_i, with the E of (seeds[row],
     positions[row] + j). A fixed number of values per row, whatever is accepted later."""
     R, B, V = probs.shape

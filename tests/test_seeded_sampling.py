@@ -55,8 +55,9 @@ def test_sampled_output_with_drafts_equals_output_without():
     """Seeded sampling with MTP (num_spec 1 and 4, drafts accepted and rejected) gives the
     tokens of seeded sampling without it, token for token, in a different batch and order."""
     idx = [0, 2, 4, 6, 8, 10]
+    settings = zip(idx, [0.8, 1.0, 0.6, 0.8, 1.2, 0.8], [0, 0, 0, 20, 0, 8], [1.0, 1.0, 0.9, 1.0, 0.95, 1.0])
     params = {i: SamplingParams(max_tokens=40, temperature=t, top_k=tk, top_p=tp, seed=7 * i + 1, ignore_eos=True)
-              for i, t, tk, tp in zip(idx, [0.8, 1.0, 0.6, 0.8, 1.2, 0.8], [0, 0, 0, 20, 0, 8], [1.0, 1.0, 0.9, 1.0, 0.95, 1.0])}
+              for i, t, tk, tp in settings}
     ref_llm = LLM(NAME, num_spec=0, **F64)
     ref = {i: o.token_ids for i, o in zip(idx, ref_llm.generate([PROMPTS[i] for i in idx], [params[i] for i in idx]))}
     for k in (1, 4):
