@@ -248,11 +248,13 @@ class LLM:
         """Queue an already validated request."""
         ecfg = self.engine_config
         rid = next(self._ids)
-        gen = None
+        # A random request's tokens are drawn from noise keyed by (seed, token position)
+        # (mtpkit.sampling): without a seed of its own it gets a fixed one from LLM.seed and
+        # its id, so it too is reproducible under preemption.
+        seed = None
         if params.temperature > 0:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed if params.seed is not None else hash((self.seed, rid)) & (2**63 - 1))
-        req = Request(rid, ids, params, () if params.ignore_eos else self.eos_token_ids, gen)
+            seed = params.seed if params.seed is not None else hash((self.seed, rid)) & (2**63 - 1)
+        req = Request(rid, ids, params, () if params.ignore_eos else self.eos_token_ids, seed)
         req.stats.num_spec = ecfg.num_spec
         self.scheduler.add(req)
         return req

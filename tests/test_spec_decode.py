@@ -274,8 +274,20 @@ def test_sampling_distribution_matches_target(ckdir, params, monkeypatch):
         assert p > 1e-4, f"num_spec={k}: chi-square p-value {p:.2e}; counts {counts.tolist()}"
         if k:
             assert 0.1 < llm.stats.acceptance_rate_per_position[0] < 0.95  # rejections happen
-    import mtpkit.speculative.rejection as rej
-    monkeypatch.setattr(rej, "recovered_distribution", lambda p, d: p)
+    # The classic bug: at the first mismatch emit a fresh draw from p (not from p without the
+    # rejected draft, normalise(max(p - q, 0)), which the exponential race gives).
+    import mtpkit.engine.runner as runner_mod
+    from mtpkit.sampling import target_probs
+    real, gen = runner_mod.rejection_sample, torch.Generator().manual_seed(0)
+
+    def from_p_at_rejection(logits, drafts, limit, st_, seeds, positions):
+        tokens, n_emit = real(logits, drafts, limit, st_, seeds, positions)
+        rows, j = torch.arange(len(n_emit)), n_emit - 1
+        rejected = j < limit
+        fresh = torch.multinomial(target_probs(logits, st_)[rows, j], 1, generator=gen)[:, 0]
+        tokens[rows[rejected], j[rejected]] = fresh[rejected]
+        return tokens, n_emit
+    monkeypatch.setattr(runner_mod, "rejection_sample", from_p_at_rejection)
     counts, _ = _second_token_distribution(path, prompt, params, 1, n)
     assert _chi2_pvalue(counts, expected) < 1e-6, "a biased recovery distribution went unnoticed"
 

@@ -3,8 +3,6 @@
 import dataclasses
 import enum
 
-import torch
-
 from ..sampling import SamplingParams
 
 
@@ -76,7 +74,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
-    generator: torch.Generator | None
+    seed: int | None               # sampling seed of a random request (its own or derived); None: greedy
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
     num_computed: int = 0          # tokens whose KV and GDN state are in the caches

@@ -6,8 +6,8 @@ inert by construction.
 
 Under tensor parallelism every rank runs this same code on the same inputs. The sampled tokens,
 accepted counts and drafts decide the next step's inputs on every rank (and so what the model's
-collectives combine), so rank 0's are broadcast: identical decisions do not rest on identical
-generator streams or on every rank's argmax breaking ties alike.
+collectives combine), so rank 0's are broadcast: identical decisions do not rest on every rank's logits being
+bit-identical or on every rank's argmax breaking ties alike.
 """
 
 import torch
@@ -64,40 +64,40 @@ class ModelRunner:
                   for r, n in zip(reqs, plan.chunk_lens)]
         token_ids, positions, meta = build_prefill(chunks, self.cfg.block_size, self.cfg.max_blocks, self.device)
         hidden = self.model(token_ids, positions, meta, self.cache)
-        done = [i for i, (r, n) in enumerate(zip(reqs, plan.chunk_lens)) if r.num_computed + n == r.prefill_target]
+        finishing = [i for i, (r, n) in enumerate(zip(reqs, plan.chunk_lens)) if r.num_computed + n == r.prefill_target]
         results = [ReqResult([], 1, 0, []) for _ in reqs]
-        if not done:
+        if not finishing:
             sampled = []
         else:
-            last = meta.logits_indices[done]
-            logits = self.model.compute_logits(hidden[last])[:, None, :]            # [done, 1, vocab]
-            sub = [reqs[i] for i in done]
-            st = self._sampling([r.params for r in sub])
-            empty = torch.zeros(len(done), 0, dtype=torch.int64, device=self.device)
-            tokens, _ = rejection_sample(logits, empty, torch.zeros(len(done), dtype=torch.int64,
+            last = meta.logits_indices[finishing]
+            logits = self.model.compute_logits(hidden[last])[:, None, :]            # [finishing, 1, vocab]
+            finishing_reqs = [reqs[i] for i in finishing]
+            sampling = self._sampling([r.params for r in finishing_reqs])
+            empty = torch.zeros(len(finishing), 0, dtype=torch.int64, device=self.device)
+            tokens, _ = rejection_sample(logits, empty, torch.zeros(len(finishing), dtype=torch.int64,
                                                                     device=self.device),
-                                         st, [r.generator for r in sub])
+                                         sampling, [r.seed for r in finishing_reqs], [r.prefill_target for r in finishing_reqs])
             sampled = self.tp.broadcast(tokens[:, 0].contiguous()).tolist()
-            for i, t in zip(done, sampled):
-                results[i].emitted = [t]
+            for i, token in zip(finishing, sampled):
+                results[i].emitted = [token]
         if self.drafter is not None:
             # The token after each position: the next prompt token, or for a finished prompt
             # the token just sampled (a non-final chunk's last position sees the next chunk's first).
             following = []
-            sampled_of = dict(zip(done, sampled))
+            sampled_of = dict(zip(finishing, sampled))
             for i, (r, n) in enumerate(zip(reqs, plan.chunk_lens)):
                 seq = r.all_token_ids
                 follow = seq[r.num_computed + 1:r.num_computed + n]
                 follow.append(sampled_of[i] if i in sampled_of else seq[r.num_computed + n])
                 following.extend(follow)
-            rows = done or [0]   # observe: no row samples, the drafter only reads the step
+            rows = finishing or [0]   # observe: no row samples, the drafter only reads the step
             inp = DraftInputs(hidden, token_ids, torch.tensor(following, dtype=torch.int64, device=self.device),
                               positions, meta.slot_mapping, meta.logits_indices[rows], meta.block_table[rows],
                               meta.max_seq_len, meta)
-            if done:
+            if finishing:
                 drafts = self._prefill_drafts(inp)
                 drafts = self.tp.broadcast(drafts.contiguous())
-                for i, d in zip(done, drafts.tolist()):
+                for i, d in zip(finishing, drafts.tolist()):
                     results[i].drafts = d
             else:
                 self.drafter.observe(inp, self.cache)
@@ -127,20 +127,22 @@ class ModelRunner:
         drafts = token_ids.view(n, B)[:R, 1:]                                 # [R, k]: d_1..d_k
         limit_list = [min(k, max(r.remaining(self.cfg.max_model_len) - 1, 0)) for r in reqs]
         limit = torch.tensor(limit_list, dtype=torch.int64, device=self.device)
-        st = self._sampling([r.params for r in reqs])
-        tokens, n_emit = rejection_sample(logits, drafts, limit, st, [r.generator for r in reqs])
+        sampling = self._sampling([r.params for r in reqs])
+        # Bundle index j samples the token at position num_computed + 1 + j.
+        tokens, num_emitted = rejection_sample(logits, drafts, limit, sampling, [r.seed for r in reqs],
+                                          [r.num_computed + 1 for r in reqs])
         if self.tp.size > 1:  # one broadcast for both
-            both = self.tp.broadcast(torch.cat([tokens, n_emit[:, None]], dim=1))
-            tokens, n_emit = both[:, :B], both[:, B]
-        n_list, tok_list = n_emit.tolist(), tokens.tolist()
+            both = self.tp.broadcast(torch.cat([tokens, num_emitted[:, None]], dim=1))
+            tokens, num_emitted = both[:, :B], both[:, B]
+        emitted_counts, tok_list = num_emitted.tolist(), tokens.tolist()
         new_drafts = [[] for _ in reqs]
         if self.drafter is not None:
             if self.graphs is not None:
-                drafts_out = self.graphs.propose(tokens, n_emit)
+                drafts_out = self.graphs.propose(tokens, num_emitted)
             else:  # eager: n == R
-                next_tokens, last_idx = verify_outcome(token_ids.view(n, B), tokens, n_emit)
+                next_tokens, last_idx = verify_outcome(token_ids.view(n, B), tokens, num_emitted)
                 inp = DraftInputs(hidden, token_ids, next_tokens, positions, meta.slot_mapping, last_idx,
                                   meta.block_table, meta.max_seq_len, meta)
                 drafts_out = self.drafter.propose(inp, self.cache)
             new_drafts = self.tp.broadcast(drafts_out[:R].contiguous()).tolist()
-        return [ReqResult(tok_list[i][:n_list[i]], n_list[i], limit_list[i], new_drafts[i]) for i in range(R)]
+        return [ReqResult(tok_list[i][:emitted_counts[i]], emitted_counts[i], limit_list[i], new_drafts[i]) for i in range(R)]

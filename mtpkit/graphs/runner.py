@@ -4,7 +4,7 @@ Two graphs per size n (each holds exactly n * bundle query tokens):
 - verify[n]: target forward over the bundle tokens + logits at every bundle position;
 - propose[n]: the drafter's proposal (speculative.drafter), reading the verify graph's
   hidden states and tokens and what rejection sampling emitted.
-Rejection sampling runs between them, eager (it draws from per-request generators).
+Rejection sampling runs between them, eager (it reads the requests' sampling settings on the host).
 
 How a graph is captured and replayed depends on the device:
 - CUDA: warm up, capture largest size first into one shared memory pool, replay.

@@ -1,11 +1,22 @@
 """Lossless verification of drafts against the target (one batched call per verify step).
 
-Greedy rows accept drafts while draft == argmax(p_j) and then emit the argmax at the first
-mismatch (the correction) or after the last draft (the bonus): exactly greedy decoding.
-Random rows accept draft d with probability min(1, p(d)/q(d)); the drafter is greedy, so q is
-one-hot on d and that is p(d). At the first rejection the token comes from
-normalise(max(p - q, 0)); when every allowed draft is accepted it comes from p. The emitted
-tokens are then distributed exactly as sampling the target alone.
+Every row first decides the target's own token at each bundle position j (the token at
+absolute position positions[row] + j): the argmax for greedy rows; for random rows the
+exponential race argmax_i p_i / E_i, whose E are a function of (request seed, position) only
+(mtpkit.sampling). A draft is accepted while it equals the target's token at its position and
+the draft limit allows; the row emits the accepted drafts, then the target's token at the
+first position not accepted (the correction at a mismatch, the bonus after the last allowed
+draft). tokens[i, :num_emitted[i]] is therefore the target's tokens at those positions, and
+the output is the target's own sampling whatever the drafts: greedy decoding for greedy rows,
+for seeded random rows the very tokens the same seed gives without speculation.
+
+Lossless for random rows, in the standard rejection-sampling terms: the drafter is greedy, so
+its q is one-hot on the draft d. The race's winner is distributed as p, so d is accepted with
+probability p(d) = min(1, p(d)/q(d)); given a mismatch the winner is distributed as p
+restricted to tokens != d and renormalised, which is normalise(max(p - q, 0)). That is
+standard rejection sampling, coupled so that it needs no separate uniform: the emitted tokens
+are distributed exactly as sampling the target alone. Each random row draws bundle * vocab
+noise values per step whatever is accepted, and all-greedy steps draw nothing.
 
 With num_spec = 0 (bundle 1) this is plain sampling: one path for both.
 """
@@ -13,19 +24,7 @@ With num_spec = 0 (bundle 1) this is plain sampling: one path for both.
 import torch
 
 from ..shapes import Float, Int, Tensor, checked
-from ..sampling import SamplingTensors, sample_rows, target_probs
-
-
-@checked
-def recovered_distribution(
-    p: Float[Tensor, "num_reqs vocab"], draft: Int[Tensor, "num_reqs"]
-) -> Float[Tensor, "num_reqs vocab"]:
-    """normalise(max(p - q, 0)) for a one-hot q on the rejected draft: p without the draft.
-    (Where p put all its mass on the draft the draft was never rejected; p is kept there.)"""
-    residual = p.clone()
-    residual[torch.arange(p.shape[0], device=p.device), draft] = 0.0
-    mass = residual.sum(-1, keepdim=True)
-    return torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
+from ..sampling import SamplingTensors, sample_tokens, target_probs
 
 
 @checked
@@ -34,43 +33,24 @@ def rejection_sample(
     drafts: Int[Tensor, "num_reqs bundle-1"],
     draft_limit: Int[Tensor, "num_reqs"],
     st: SamplingTensors,
-    generators: list,
+    seeds: list,
+    positions: list,
 ) -> tuple[Int[Tensor, "num_reqs bundle"], Int[Tensor, "num_reqs"]]:
     """Returns (tokens, num_emitted): row i emits tokens[i, :num_emitted[i]], which are its
     accepted drafts followed by one target token; num_emitted - 1 drafts were accepted.
     `draft_limit[i]` caps the drafts that may be accepted (a request near max_model_len or
-    max_tokens drafts only what fits); drafts past it are never accepted."""
+    max_tokens drafts only what fits); drafts past it are never accepted.
+    `seeds[i]`: row i's sampling seed (None for a greedy row); `positions[i]`: the absolute
+    position of the token sampled at bundle index 0 (index j samples position + j)."""
     R, B, _ = logits.shape
     k = B - 1
-    pos = torch.arange(k, device=logits.device)
-    allowed = pos[None, :] < draft_limit[:, None]
-    if st.all_greedy:
-        target = logits.argmax(-1)
-        accept = (drafts == target[:, :k]) & allowed
-        n_acc = accept.long().cumprod(-1).sum(-1)
-        return target, n_acc + 1  # accepted drafts equal the argmax, so emit the argmax row
-
-    probs = target_probs(logits, st)                                    # p [R, B, V] fp32
-    greedy = st.greedy
-    # Uniforms only for random rows, from each request's own generator.
-    u = torch.stack([torch.zeros(k, device=logits.device) if gr else
-                     torch.rand(k, generator=g, device=logits.device)
-                     for g, gr in zip(generators, greedy.tolist())])
-    p_draft = probs[:, :k].gather(-1, drafts[..., None])[..., 0]         # p_j(d_j)
     target = logits.argmax(-1)
-    accept = torch.where(greedy[:, None], drafts == target[:, :k], u < p_draft) & allowed
-    n_acc = accept.long().cumprod(-1).sum(-1)                          # accepted drafts per row
-    rows = torch.arange(R, device=logits.device)
-    final_p = probs[rows, n_acc]                                       # p at the first non-accepted position
-    rejected = n_acc < draft_limit.clamp(max=k)                        # stopped by a rejection, not the limit
-    if k:
-        d = drafts.gather(-1, n_acc.clamp(max=k - 1)[:, None])[:, 0]
-        final_p = torch.where(rejected[:, None], recovered_distribution(final_p, d), final_p)
-    final = torch.where(greedy, target[rows, n_acc], 0)
-    if bool((~greedy).any()):
-        idx = (~greedy).nonzero()[:, 0]
-        drawn = sample_rows(final_p[idx], [generators[i] for i in idx.tolist()])
-        final = final.index_put((idx,), drawn)
-    tokens = torch.cat([drafts, drafts.new_zeros(R, 1)], dim=1)
-    tokens[rows, n_acc] = final
-    return tokens, n_acc + 1
+    if not st.all_greedy:
+        rand = [i for i, g in enumerate(st.greedy.tolist()) if not g]
+        probs = target_probs(logits, st)[rand]                          # p [random rows, B, V] fp32
+        drawn = sample_tokens(probs, [seeds[i] for i in rand], [positions[i] for i in rand])
+        target[rand] = drawn
+    allowed = torch.arange(k, device=logits.device)[None, :] < draft_limit[:, None]
+    accept = (drafts == target[:, :k]) & allowed
+    n_acc = accept.long().cumprod(-1).sum(-1)
+    return target, n_acc + 1  # accepted drafts equal the target's tokens, so emit the target row
