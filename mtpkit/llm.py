@@ -64,8 +64,8 @@ class LLM:
         the launched world size. Every rank runs the engine and returns the same outputs.
         load_format "dummy": random weights from config.json alone (benchmarks, GPU checks).
         num_threads (CPU): torch's intra-op threads. None: 1 for models under 50M parameters,
-        whose ops are too small to gain from threads and which slow down 10-40x when another
-        process holds a core (threads wait on each other at every op); larger models keep
+        whose ops are too small to gain from threads and which slow down many times over when
+        another process holds a core (threads wait on each other at every op); larger models keep
         torch's default. It is process-wide (torch.set_num_threads)."""
         if load_format not in ("safetensors", "dummy"):
             raise ConfigError(f"load_format={load_format!r} must be 'safetensors' or 'dummy'")

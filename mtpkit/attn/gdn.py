@@ -10,6 +10,7 @@ for 1e-12 agreement; outputs are cast back to v's dtype, states to the pool's dt
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 from mtpkit.shapes import Bool, Float, Int, Tensor, checked
 
@@ -187,19 +188,19 @@ def _prefill_padded(q, k, v, g, beta, init, bounds, T, chunk_size):
     """All requests in one chunked pass: pad each to T tokens at the END with g = 0 (no
     decay) and beta = 0 (no write), which leaves the state exactly unchanged, and fold the
     request dim into the head dim (the recurrence is independent per head)."""
-    R, H = len(bounds) - 1, q.shape[1]
+    R = len(bounds) - 1
 
-    def pad(x):  # [num_tokens, H, ...] -> [T, R*H, ...]
+    def pad(x):  # [num_tokens, heads, ...] -> [T, R*heads, ...]
         out = x.new_zeros((R, T) + tuple(x.shape[1:]))
         for i in range(R):
             out[i, : bounds[i + 1] - bounds[i]] = x[bounds[i]:bounds[i + 1]]
-        return out.transpose(0, 1).reshape((T, R * H) + tuple(x.shape[2:]))
+        return rearrange(out, "r t h ... -> t (r h) ...")
 
     o, state = gdn_chunked_core(pad(q), pad(k), pad(v), pad(g), pad(beta),
-                                init.reshape((R * H,) + tuple(init.shape[2:])), chunk_size=chunk_size)
-    o = o.reshape(T, R, H, -1).transpose(0, 1)
+                                rearrange(init, "r h dk dv -> (r h) dk dv"), chunk_size=chunk_size)
+    o = rearrange(o, "t (r h) dv -> r t h dv", r=R)
     out = torch.cat([o[i, : bounds[i + 1] - bounds[i]] for i in range(R)])
-    return out, state.reshape((R, H) + tuple(state.shape[1:]))
+    return out, rearrange(state, "(r h) dk dv -> r h dk dv", r=R)
 
 
 def _as(x: Tensor, dtype: torch.dtype) -> Tensor:

@@ -36,9 +36,9 @@ from .specialize import specialized
 
 MIN_CPU_CONTEXT = 64  # smallest context bucket of a CPU graph
 # A CPU graph is traced on its (n, context)'s next replay after this many direct calls. Tracing
-# and TorchScript's first, optimising runs cost ~0.2-0.4 s per shape on the embedded model
-# (verify + propose), which a traced step repays at ~1.5 ms: a short generation stays on
-# direct calls, a shape used this often is likely to go on being used. 0 traces at once.
+# and TorchScript's first, optimising runs cost hundreds of direct steps' worth of time, which
+# a traced step repays only over a long run: a short generation stays on direct calls, a shape
+# used this often is likely to go on being used. 0 traces at once.
 CPU_TRACE_AFTER = 32
 # Longer prefills propose by direct calls: their first MTP pass is mostly arithmetic over the
 # prompt, which a trace does not speed up, and each token bucket would be another trace.

@@ -4,8 +4,8 @@ A CPU decode graph (graphs.runner) is traced for fixed input shapes, and replays
 those shapes (the runner keys graphs by them). The trace still records every `x.shape[i]` a
 module reads (to build a view, a slice bound, a gather index) as an `aten::size` op run on
 every replay, and every `x[:, a:b]` as a slice per dimension, including full-range ones. At
-decode sizes such bookkeeping ops cost about as much as the arithmetic: the traced MTP
-proposal ran ~560 ops, 90 of them slices and 69 size queries.
+decode sizes such bookkeeping ops cost about as much as the arithmetic, and they are a large
+share of a traced decode graph's ops (benchmarks/graph_ablation.py counts them).
 
 `specialize` folds each size query into the constant the trace recorded, propagates
 constants, drops slices and views that return their input unchanged, and removes the dead and

@@ -113,13 +113,11 @@ class SparseMoE(nn.Module):
     # Above this many token-expert pairs a step loops over the experts hit (prefill, and
     # training, which sets it to 0); below it every path has fixed shapes, and each token's
     # result is independent of the other tokens in the batch (padded rows cannot change real
-    # rows' rounding). Measured on CPU (hidden 256, 8 experts, top-2): looping pays from ~100
-    # tokens.
+    # rows' rounding). Looping pays only for steps of many tokens.
     dense_limit: int = 1024
     # Gathering the chosen experts' blocks pays when they are a small share of the experts:
-    # at 8 experts and top-2 the dense path was faster even for one token (CPU, measured in
-    # one process against each other); with hundreds of experts a decode step reads a
-    # hundredth of the weights.
+    # with few experts the dense path is faster even for one token; with hundreds of experts
+    # a decode step reads a hundredth of the weights.
     sparse_share: int = 8
 
     @checked

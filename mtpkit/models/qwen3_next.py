@@ -364,7 +364,7 @@ class Qwen3NextForCausalLM(nn.Module):
 
     def set_weight_layout(self, device: torch.device) -> None:
         """On CPU, store every matrix that only multiplies (x @ W^T) column-major: BLAS's
-        small-batch products read W^T contiguously ~15-35% faster (measured at decode sizes).
+        small-batch products read W^T contiguously, which is faster at decode sizes.
         Values and shapes are unchanged; the embedding, gathered by rows, stays row-major, and
         the experts' [local, 2I, hidden] blocks are laid out as their [local * 2I, hidden]
         matrix (what the dense MoE path multiplies)."""
