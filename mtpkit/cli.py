@@ -39,7 +39,7 @@ def _int_at_least(lo: int):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mtpkit", description=__doc__, formatter_class=_Formatter)
     sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate a completion with MTP speculative decoding",
+    g = sub.add_parser("generate", help="generate a completion with speculative decoding",
                        description="Stream a completion of PROMPT, then print the speculation stats.",
                        formatter_class=_Formatter)
     g.add_argument("prompt", help="prompt text")

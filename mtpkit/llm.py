@@ -165,10 +165,10 @@ class LLM:
                 checkpoint_index(path)  # a missing or broken weights file is reported before any work
                 if draft is not None:
                     draft.check_checkpoint()
-            ops = select_backend(self.device, attn_backend)
+            backend = select_backend(self.device, attn_backend)
 
             def load(family, model_cfg, model_path, **kwargs):
-                return build_model(family, model_cfg, model_path, ops=ops, tp=tp, dtype=self.dtype,
+                return build_model(family, model_cfg, model_path, ops=backend, tp=tp, dtype=self.dtype,
                                    device=self.device, load_format=load_format, seed=seed, **kwargs)
             self.model = load(self.family, cfg, path, **target_kwargs)
             drafter = draft.build(self.model, load=load) if draft else None

@@ -40,7 +40,7 @@ MIN_CPU_CONTEXT = 64  # smallest context bucket of a CPU graph
 # a traced step repays only over a long run: a short generation stays on direct calls, a shape
 # used this often is likely to go on being used. 0 traces at once.
 CPU_TRACE_AFTER = 32
-# Longer prefills propose by direct calls: their first MTP pass is mostly arithmetic over the
+# Longer prefills propose by direct calls: a drafter's pass over the step is mostly arithmetic over the
 # prompt, which a trace does not speed up, and each token bucket would be another trace.
 MAX_TRACED_PREFILL = 512
 
@@ -115,7 +115,7 @@ class GraphRunner:
         self.pool = None
         self._last: LastVerify | None = None
         self._uses: dict = {}             # CPU: replays of each (n, context) so far
-        self.prefill_graphs: dict = {}    # CPU: (tokens, n, context) -> traced MTP proposal after a prefill
+        self.prefill_graphs: dict = {}    # CPU: (tokens, n, context) -> traced proposal after a prefill
         self._prefill_uses: dict = {}
 
     # ---- the captured bodies --------------------------------------------------------------
