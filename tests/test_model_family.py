@@ -23,6 +23,7 @@ from mtpkit.models import registry
 from mtpkit.models.layers import MLP, Linear, PartialRoPE, RMSNorm
 from mtpkit.models.loader import export_state_dict
 from mtpkit.parallel import TP
+from mtpkit.shapes import is_debug
 
 F64 = dict(dtype="float64", device="cpu")
 
@@ -188,7 +189,7 @@ def test_third_family_runs_through_the_engine(toy, expected, mode):
     tokens, llm = _run(toy["target"], trace=True, enforce_eager=mode == "eager")
     assert tokens == expected
     assert llm.slots.stateless and llm.cache.state == {}
-    if mode == "graphs":
+    if mode == "graphs" and not is_debug():   # debug mode calls the graph bodies directly
         assert llm.runner.graphs.verify_graphs, "the decode steps were meant to run as traced graphs"
 
 
@@ -205,7 +206,7 @@ def test_separate_draft_model_is_lossless(toy, expected, draft, mode):
     rate = llm.stats.acceptance_rate
     assert (rate > 0.9) if draft == "target" else (rate < 0.6)
     assert llm.stats.num_accepted > 0
-    if mode == "graphs":
+    if mode == "graphs" and not is_debug():
         assert llm.runner.graphs.propose_graphs
 
 
