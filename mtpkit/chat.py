@@ -157,6 +157,7 @@ def compile_template(source: str):
 
 
 def _message(m, where: str) -> dict:
+    """A message as the template sees it (a copy: the caller's is not changed)."""
     if not isinstance(m, dict):
         raise InputError(f"{where}: a message must be a dict such as {{'role': 'user', 'content': '...'}}, "
                          f"got {type(m).__name__}")
@@ -169,7 +170,7 @@ def _message(m, where: str) -> dict:
 
 def conversation_list(messages) -> list[list[dict]]:
     """A conversation (a list of message dicts) or a list of conversations, as a list of
-    conversations of checked messages."""
+    conversations, each checked (a non-empty list of dicts)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InputError("messages must be a non-empty list of message dicts (one conversation) or a list of "
                          "such lists (a batch)")
@@ -180,7 +181,9 @@ def conversation_list(messages) -> list[list[dict]]:
         where = f"conversation {i}" if batch else "conversation"
         if not isinstance(conv, (list, tuple)) or not conv:
             raise InputError(f"{where}: must be a non-empty list of message dicts")
-        out.append([_message(m, f"{where}, message {j}") for j, m in enumerate(conv)])
+        for j, m in enumerate(conv):
+            _message(m, f"{where}, message {j}")
+        out.append(list(conv))
     return out
 
 
@@ -194,6 +197,7 @@ def render_chat(source: str, conversation: list[dict], *, add_generation_prompt:
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise InputError(f"the chat template is not valid Jinja (line {e.lineno}: {e.message}); pass a "
                          "working one as chat_template=") from None
+    conversation = [_message(m, f"{where}, message {j}") for j, m in enumerate(conversation)]
     variables = {**special, **kwargs}
     try:
         return template.render(messages=conversation, tools=variables.pop("tools", None),
