@@ -142,3 +142,14 @@ def test_bad_stop_values_are_refused(engines):
             llm.generate("x", SamplingParams(stop=bad))
     # one string is one stop string
     assert llm.generate("x = 1", SamplingParams(max_tokens=4, stop="\x00never"))[0].finish_reason == "length"
+
+
+def test_cli_stop(engines, capsys):
+    from mtpkit import cli
+    prompt = PROMPTS[0]
+    text = engines[3].generate(prompt, SamplingParams(max_tokens=MAX))[0].text
+    i = next(i for i in range(4, len(text) - 3) if text.find(text[i:i + 3]) == i and text[i:i + 3].strip())
+    assert cli.main(["generate", prompt, "--max-tokens", str(MAX), "--stop", "\x00never", "--stop",
+                     text[i:i + 3]]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(text[:i]) and text[:i + 3] not in out and "finish_reason=stop" in out, out
