@@ -55,21 +55,21 @@ def special_tokens(path: Path) -> dict[str, str]:
 def load_chat_template(path: Path) -> str | dict[str, str] | None:
     """The checkpoint's chat template: chat_template.jinja, else the `chat_template` of
     tokenizer_config.json (a string, or a list of {name, template}: returned as a dict), else
-    None."""
+    that of chat_template.json (a multimodal processor's), else None."""
     path = Path(path)
     f = path / "chat_template.jinja"
     if f.exists():
         return f.read_text(encoding="utf-8")
-    f = path / "tokenizer_config.json"
-    if not f.exists():
-        return None
-    t = _read_json(f).get("chat_template")
-    if isinstance(t, list):
-        try:
-            return {d["name"]: d["template"] for d in t}
-        except (TypeError, KeyError):
-            raise CheckpointError(f"{f}: chat_template is a list but not of {{name, template}} entries") from None
-    return t if isinstance(t, str) else None
+    for f in (path / "tokenizer_config.json", path / "chat_template.json"):
+        t = _read_json(f).get("chat_template") if f.exists() else None
+        if isinstance(t, list):
+            try:
+                return {d["name"]: d["template"] for d in t}
+            except (TypeError, KeyError):
+                raise CheckpointError(f"{f}: chat_template is a list but not of {{name, template}} entries") from None
+        if isinstance(t, str):
+            return t
+    return None
 
 
 def select_template(template: str | dict[str, str] | None, chat_template: str | None, where: str) -> str:

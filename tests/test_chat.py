@@ -297,3 +297,20 @@ def test_chat_without_a_template_says_what_to_do():
         llm.chat([{"role": "user", "content": "hi"}])
     with pytest.raises(InputError, match="message dicts"):
         llm.chat([], chat_template="x")
+
+
+def test_template_sources(tmp_path):
+    # a list of named templates: "default" unless one is named; the processor's chat_template.json
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "default", "template": "D{{ messages[0].content }}"},
+        {"name": "tool_use", "template": "T{{ messages[0].content }}"}]}))
+    t = load_chat_template(tmp_path)
+    conv = [{"role": "user", "content": "x"}]
+    assert render_chat(select_template(t, None, "ckpt"), conv, add_generation_prompt=True, special={}) == "Dx"
+    assert render_chat(select_template(t, "tool_use", "ckpt"), conv, add_generation_prompt=True, special={}) == "Tx"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "P{{ eos_token }}"}))
+    assert render_chat(select_template(load_chat_template(tmp_path), None, "ckpt"), conv,
+                       add_generation_prompt=True, special=special_tokens(tmp_path)) == "P<eos>"
+    (tmp_path / "chat_template.jinja").write_text("J")
+    assert load_chat_template(tmp_path) == "J"       # the .jinja file comes first
