@@ -70,7 +70,7 @@ def _choose_stop(llm, events, want):
         if text.find(stop) == len(text) - 3 and len(llm.tokenizer.decode(tokens[k:k + 1])) < 3 \
                 and want(events[where[k][0]], where[k][1]) and stop.strip():
             return k, stop, tokens
-    pytest.skip("no usable stop string in the reference output")   # the checks below never ran
+    raise AssertionError("no usable stop string in the reference output: the test cannot check anything")
 
 
 def _assert_idle(llm):
