@@ -38,29 +38,41 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> str:
 
 
 class StopStringMatcher:
-    """Finds the token that completes a stop string in a request's output, step by step.
+    """Finds the token that completes a stop string in a request's output, token by token.
 
-    Each step decodes the whole output once (a tokenizer's decode of a suffix of the ids can
-    differ from the suffix of the text: a character split over tokens); only a step that holds
-    a match decodes again, per new token, to find which one completed it."""
+    The text is built incrementally, as serving engines detokenize: each token decodes a
+    window from the previous settled boundary (`prefix`) and appends what it adds to the text
+    decoded up to `read`; a window that ends in U+FFFD (a character not yet complete) waits
+    for the next token. So a step costs a few small decodes, whatever the output's length,
+    and for byte-level and SentencePiece-style decoders the text equals decoding the whole
+    output."""
 
     def __init__(self, tokenizer, stops: Sequence[str]):
         self.tokenizer, self.stops = tokenizer, list(stops)
         self.longest = max(len(s) for s in self.stops)
-        self.searched = 0   # no stop begins before this index of the output text
+        self.text = ""          # the output's settled text
+        self.prefix = 0         # token where the decode window starts
+        self.read = 0           # tokens whose text is in self.text
+        self.num_seen = 0       # tokens looked at
+        self.searched = 0       # no stop begins before this index of self.text
+
+    def _advance(self, ids: list[int]) -> None:
+        before = self.tokenizer.decode(ids[self.prefix:self.read])
+        window = self.tokenizer.decode(ids[self.prefix:])
+        if len(window) > len(before) and not window.endswith(REPLACEMENT):
+            self.text += window[len(before):]
+            self.prefix, self.read = self.read, len(ids)
 
     def find(self, output_ids: list[int], num_new: int) -> int | None:
-        """Index, among the last `num_new` of `output_ids`, of the token whose text completes
-        the first stop string; None when the text holds none."""
-        text = self.tokenizer.decode(output_ids)
-        if first_stop(text, self.stops, self.searched) is None:
-            # A later match can begin only in the last longest-1 settled characters or after
-            # them (a trailing U+FFFD is a character not yet complete).
-            settled = len(text.rstrip(REPLACEMENT))
-            self.searched = max(self.searched, settled - self.longest + 1, 0)
-            return None
+        """Index, among the last `num_new` of `output_ids` (the earlier ones were given
+        before), of the token whose text completes the first stop string; None if none
+        does."""
         base = len(output_ids) - num_new
-        for j in range(num_new - 1):
-            if first_stop(self.tokenizer.decode(output_ids[:base + j + 1]), self.stops, self.searched) is not None:
-                return j
-        return num_new - 1
+        for n in range(self.num_seen + 1, len(output_ids) + 1):
+            self._advance(output_ids[:n])
+            self.num_seen = n
+            if first_stop(self.text, self.stops, self.searched) is not None:
+                return max(n - 1 - base, 0)
+            # a later match can begin only in the last longest-1 characters or after them
+            self.searched = max(self.searched, len(self.text) - self.longest + 1)
+        return None

@@ -153,3 +153,29 @@ def test_cli_stop(engines, capsys):
                      text[i:i + 3]]) == 0
     out = capsys.readouterr().out
     assert out.startswith(text[:i]) and text[:i + 3] not in out and "finish_reason=stop" in out, out
+
+
+def _first_completing(tokenizer, ids, stops):
+    """By definition: the first k such that decoding ids[:k + 1] whole contains a stop."""
+    return next((k for k in range(len(ids)) if any(s in tokenizer.decode(ids[:k + 1]) for s in stops)), None)
+
+
+def test_incremental_matcher_equals_whole_decoding(engines):
+    """Random outputs mixing ASCII and characters split over byte tokens, cut into random
+    steps: the matcher's answer is the definition's."""
+    import random
+    tok = engines[0].tokenizer
+    rng = random.Random(0)
+    words = ["ab", "中文", "é", "x=1", " ", "\n", "ü", "🙂", "stop", "<|", "end", "|>"]
+    for _ in range(60):
+        text = "".join(rng.choice(words) for _ in range(rng.randint(1, 12)))
+        ids = tok.encode(text).ids
+        stops = rng.sample(["中", "文é", "<|end|>", "a 🙂", "1\n", "zz", "b中", "op\n"], k=2)
+        want = _first_completing(tok, ids, stops)
+        m, got, pos = StopStringMatcher(tok, stops), None, 0
+        while pos < len(ids) and got is None:
+            n = rng.randint(1, 4)
+            j = m.find(ids[:pos + n], len(ids[pos:pos + n]))
+            got = None if j is None else pos + j
+            pos += n
+        assert got == want, (text, stops)
