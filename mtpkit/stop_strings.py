@@ -56,12 +56,13 @@ class StopStringMatcher:
         self.num_seen = 0       # tokens looked at
         self.searched = 0       # no stop begins before this index of self.text
 
-    def _advance(self, ids: list[int]) -> None:
+    def _advance(self, ids: list[int], n: int) -> None:
+        """Take in token n-1 of ids."""
         before = self.tokenizer.decode(ids[self.prefix:self.read])
-        window = self.tokenizer.decode(ids[self.prefix:])
+        window = self.tokenizer.decode(ids[self.prefix:n])
         if len(window) > len(before) and not window.endswith(REPLACEMENT):
             self.text += window[len(before):]
-            self.prefix, self.read = self.read, len(ids)
+            self.prefix, self.read = self.read, n
 
     def find(self, output_ids: list[int], num_new: int) -> int | None:
         """Index, among the last `num_new` of `output_ids` (the earlier ones were given
@@ -69,7 +70,7 @@ class StopStringMatcher:
         does."""
         base = len(output_ids) - num_new
         for n in range(self.num_seen + 1, len(output_ids) + 1):
-            self._advance(output_ids[:n])
+            self._advance(output_ids, n)
             self.num_seen = n
             if first_stop(self.text, self.stops, self.searched) is not None:
                 return max(n - 1 - base, 0)
