@@ -69,6 +69,10 @@ class StopStringMatcher:
         before), of the token whose text completes the first stop string; None if none
         does."""
         base = len(output_ids) - num_new
+        if self.num_seen > base:
+            # It saw tokens that were not kept (a step interrupted between matching and
+            # appending): start over from the output as it is.
+            self.__init__(self.tokenizer, self.stops)
         for n in range(self.num_seen + 1, len(output_ids) + 1):
             self._advance(output_ids, n)
             self.num_seen = n

@@ -32,6 +32,10 @@ def test_matcher_finds_the_token_that_completes_a_stop_across_tokens():
     assert m.find([0, 1, 5], 1) is None
     assert m.find([0, 1, 5, 6], 1) is None
     assert m.find([0, 1, 5, 6, 7, 4], 2) == 0
+    # tokens it saw in a step whose results were not kept (interrupted) are forgotten
+    m = StopStringMatcher(tok, ["<|end|>"])
+    assert m.find([0, 5, 6], 3) is None
+    assert m.find([0, 1, 5, 6, 7], 4) == 3
     assert partial_stop_len("hello <|en", ["<|end|>", "xyz"]) == 4
     assert partial_stop_len("hello", ["<|end|>"]) == 0
 
