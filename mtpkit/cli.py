@@ -44,12 +44,15 @@ def _parser() -> argparse.ArgumentParser:
                        formatter_class=_Formatter)
     g.add_argument("prompt", help="prompt text")
     g.add_argument("--model", default=DEFAULT_MODEL,
-                   help="checkpoint directory or built-in name (`mtpkit models` lists them)")
+                   help="checkpoint directory, built-in name (`mtpkit models` lists them) or Hugging Face hub "
+                        "repo id (downloaded, or read from the HF cache with HF_HUB_OFFLINE=1)")
     g.add_argument("--num-spec", type=_int_at_least(0), default=3, help="draft tokens per step (0 = no speculation)")
     g.add_argument("--draft-model", default=None,
                    help="checkpoint directory or built-in name of a separate drafter (default: the model's own, "
                         "e.g. Qwen3-Next's MTP head)")
     g.add_argument("--max-tokens", type=_int_at_least(1), default=128, help="tokens to generate at most")
+    g.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="stop when the text contains STR (not printed); repeat for several")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     g.add_argument("--top-k", type=_int_at_least(0), default=0, help="sample from the k likeliest tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         llm = mtpkit.LLM(args.model, num_spec=args.num_spec, draft_model=args.draft_model, dtype=args.dtype,
                          device=args.device)
         params = mtpkit.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                       top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
         trace = mtpkit.set_debug(True) if args.debug else None
         t0, out = time.perf_counter(), None
         for ev in llm.stream(args.prompt, params):

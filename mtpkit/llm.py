@@ -8,7 +8,6 @@ when they are added.
 import contextlib
 import dataclasses
 import itertools
-import json
 import numbers
 import operator
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .chat import load_chat_template, special_tokens
 from .config import EngineConfig, resolve_device, resolve_dtype
 from .detokenize import IncrementalDetokenizer
 from .engine.cache import BlockAllocator, SlotAllocator, allocate_cache
@@ -24,10 +24,12 @@ from .engine.request import Request, RequestOutput, SpecStats, Status
 from .engine.runner import ModelRunner
 from .engine.scheduler import Scheduler
 from .errors import ConfigError, InputError
+from .generation_config import read_generation_defaults
 from .graphs.plan import build_capture_plan
 from .models.registry import read_config, resolve_model
 from .sampling import SamplingParams
 from .speculative import setup_drafter
+from .stop_strings import StopStringMatcher, cut_at_stop
 from .tokenizer import load_tokenizer
 
 Prompt = str | Sequence[int]
@@ -74,6 +76,8 @@ class LLM:
         self.family, cfg = read_config(path)
         self.model_config = cfg
         self.tokenizer = load_tokenizer(path, cfg.vocab_size)  # a broken file is named before weights load
+        self.generation_defaults = read_generation_defaults(path, cfg, self.tokenizer)
+        self._chat_template, self._special_tokens = load_chat_template(path), special_tokens(path)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device, cfg.torch_dtype)
         for name, v in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
@@ -184,7 +188,7 @@ class LLM:
         self.scheduler = Scheduler(ecfg, self.blocks, self.slots, dispatch)
         self.runner = ModelRunner(self.model, drafter, self.cache, ecfg, self.device,
                                   None if enforce_eager else self.capture_plan)
-        self.eos_token_ids = _eos_ids(path, cfg)
+        self.eos_token_ids = self.generation_defaults.eos_token_ids
         if self.device.type == "cpu":
             params = sum(p.numel() for p in self.model.parameters())
             threads = num_threads if num_threads is not None else (1 if params < 50_000_000 else None)
@@ -226,11 +230,14 @@ class LLM:
                   ) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and its SamplingParams (scalars as Python values), or an
         InputError naming `where`."""
-        try:
-            params = _sampling_params(params)
+        try:  # no SamplingParams: the checkpoint's generation_config.json defaults
+            params = _sampling_params(params if params is not None else self.generation_defaults.sampling_params())
             params.validate(self.model_config.vocab_size)
         except InputError as e:
             raise InputError(f"{where}: {e}") from None
+        if params.stop and self.tokenizer is None:
+            raise InputError(f"{where}: stop strings need the checkpoint's tokenizer.json, which this one lacks; "
+                             "use stop_token_ids")
         ids = self._tokens(prompt, where)
         total, limit = len(ids) + params.max_tokens, self.engine_config.max_model_len
         if total > limit:
@@ -256,6 +263,8 @@ class LLM:
             seed = params.seed if params.seed is not None else hash((self.seed, rid)) & (2**63 - 1)
         req = Request(rid, ids, params, () if params.ignore_eos else self.eos_token_ids, seed)
         req.stats.num_spec = ecfg.num_spec
+        if params.stop:
+            req.stop_matcher = StopStringMatcher(self.tokenizer, params.stop)
         self.scheduler.add(req)
         return req
 
@@ -333,7 +342,7 @@ class LLM:
                 yield StreamEvent(i, [], "", True, self._error_output(prompts[i], msg))
             index = {r.req_id: i for i, r in reqs.items()}
             seen = {r.req_id: 0 for r in reqs.values()}
-            detok = {rid: IncrementalDetokenizer(self.tokenizer) for rid in seen}
+            detok = {r.req_id: IncrementalDetokenizer(self.tokenizer, stop=r.params.stop) for r in reqs.values()}
             live = {r.req_id: r for r in reqs.values()}
             while live:
                 stepped = self.step()
@@ -379,8 +388,40 @@ class LLM:
             bar.close()
         return [outputs[i] for i in sorted(outputs)]
 
+    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, chat_template: str | None = None,
+                            tokenize: bool = True, **template_kwargs) -> list:
+        """Each conversation of `messages` (a list of {"role", "content"} dicts, or a list of
+        such lists) rendered by the checkpoint's chat template (or `chat_template`: a template
+        or the name of one of the checkpoint's), as token ids (tokenize=True) or text; one
+        entry per conversation. Extra keyword arguments are template variables."""
+        from .chat import conversation_list, render_chat, select_template
+        source = select_template(self._chat_template, chat_template, str(self.model_path))
+        convs = conversation_list(messages)
+        where = (lambda i: f"conversation {i}") if len(convs) > 1 else (lambda i: "conversation")
+        texts = [render_chat(source, c, add_generation_prompt=add_generation_prompt, special=self._special_tokens,
+                             where=where(i), **template_kwargs) for i, c in enumerate(convs)]
+        if not tokenize:
+            return texts
+        if self.tokenizer is None:
+            raise InputError("this checkpoint has no tokenizer.json to encode the rendered chat; pass tokenize=False")
+        # the template writes the special tokens itself
+        return [self.tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+
+    def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             errors: str = "raise", use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate a reply to each conversation (a list of message dicts, or a list of
+        conversations): rendered by apply_chat_template, then generate(); one RequestOutput per
+        conversation. Without sampling_params the checkpoint's generation_config.json defaults
+        apply. Every conversation is rendered before any runs."""
+        ids = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                       chat_template=chat_template, **(chat_template_kwargs or {}))
+        return self.generate(ids if len(ids) > 1 else ids[0], sampling_params, errors=errors, use_tqdm=use_tqdm)
+
     def _output(self, r: Request) -> RequestOutput:
-        text = self.tokenizer.decode(r.output_token_ids) if self.tokenizer is not None else None
+        text = None
+        if self.tokenizer is not None:
+            text = cut_at_stop(self.tokenizer.decode(r.output_token_ids), r.params.stop)
         return RequestOutput(r.req_id, list(r.prompt_token_ids), list(r.output_token_ids), text,
                              r.finish_reason, r.stats, None, r.num_preemptions)
 
@@ -530,6 +571,10 @@ def _sampling_params(params) -> SamplingParams:
         problems.append(f"stop_token_ids={_short(stop)} must be int token ids, not bools")
     else:
         values["stop_token_ids"] = [t if (x := _scalar(t, True)) is None else x for t in stop]
+    stop = [params.stop] if isinstance(params.stop, str) else params.stop  # one stop string
+    if isinstance(stop, tuple):
+        stop = list(stop)
+    values["stop"] = stop
     if not _is_bool(params.ignore_eos):
         problems.append(f"ignore_eos={_short(params.ignore_eos)} must be True or False")
     else:
@@ -537,13 +582,3 @@ def _sampling_params(params) -> SamplingParams:
     if problems:
         raise InputError("invalid SamplingParams: " + "; ".join(problems))
     return dataclasses.replace(params, **values)
-
-
-def _eos_ids(path: Path, cfg) -> tuple[int, ...]:
-    ids = set(cfg.eos_token_ids)
-    gen = path / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        if eos is not None:
-            ids.update(eos if isinstance(eos, list) else [eos])
-    return tuple(sorted(ids))

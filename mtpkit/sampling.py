@@ -39,6 +39,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
+    stop: list[str] = dataclasses.field(default_factory=list)   # stop strings, excluded from the text
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InputError naming the bad field and its valid range."""
@@ -63,6 +64,8 @@ class SamplingParams:
                     if not isinstance(t, int) or (vocab_size is not None and not 0 <= t < vocab_size)]
         if bad_stop:
             problems.append(f"stop_token_ids {bad_stop} are not token ids in 0..{(vocab_size or 0) - 1}")
+        if not isinstance(self.stop, list) or not all(isinstance(x, str) and x for x in self.stop):
+            problems.append(f"stop={self.stop!r} must be a list of non-empty strings")
         if problems:
             raise InputError("invalid SamplingParams: " + "; ".join(problems))
 

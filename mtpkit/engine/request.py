@@ -4,6 +4,7 @@ import dataclasses
 import enum
 
 from ..sampling import SamplingParams
+from ..stop_strings import StopStringMatcher
 
 
 class Status(enum.Enum):
@@ -86,6 +87,7 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     stats: SpecStats = dataclasses.field(default_factory=SpecStats)
+    stop_matcher: StopStringMatcher | None = None   # when params.stop is set
 
     @property
     def all_token_ids(self) -> list[int]:

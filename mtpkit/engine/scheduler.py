@@ -228,9 +228,14 @@ class Scheduler:
 
     def _append(self, r: Request, tokens: list[int]) -> bool:
         p = r.params
-        for t in tokens:
+        # A stop string may end inside the step's tokens (an accepted bundle): the tokens after
+        # the one that completes it are dropped.
+        stop_at = None
+        if r.stop_matcher is not None and tokens:
+            stop_at = r.stop_matcher.find(r.output_token_ids + tokens, len(tokens))
+        for i, t in enumerate(tokens):
             r.output_token_ids.append(t)
-            if t in p.stop_token_ids or (not p.ignore_eos and t in r.eos_token_ids):
+            if t in p.stop_token_ids or (not p.ignore_eos and t in r.eos_token_ids) or i == stop_at:
                 return self.finish(r, "stop")
             if len(r.output_token_ids) >= p.max_tokens or r.num_tokens >= self.cfg.max_model_len:
                 return self.finish(r, "length")

@@ -10,6 +10,7 @@ themselves with `register_family`; `read_config` picks the family from config.js
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -80,12 +81,54 @@ def builtin_models() -> list[str]:
     return sorted(p.name for p in ASSETS.iterdir() if (p / "config.json").exists()) if ASSETS.exists() else []
 
 
+# What a checkpoint needs from a hub repo: no training states, other formats' weights
+# (*.bin, *.pth, gguf), images or READMEs.
+HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+             "*.safetensors", "*.safetensors.index.json"]
+
+
 def resolve_model(model) -> Path:
-    """A checkpoint directory, or the name of an embedded model."""
+    """A checkpoint directory, the name of an embedded model, or a Hugging Face hub repo id
+    (downloaded into, or in offline mode (HF_HUB_OFFLINE=1) read from, the HF cache)."""
     path = Path(model)
     if path.is_dir():
         return path
     if isinstance(model, str) and (ASSETS / model).is_dir():
         return ASSETS / model
+    if isinstance(model, str) and _looks_like_repo_id(model):
+        return hub_snapshot(model)
     raise ConfigError(f"model {str(model)!r} is neither a checkpoint directory nor a built-in model "
-                      f"(built-in: {builtin_models() or 'none'})")
+                      f"(built-in: {builtin_models() or 'none'}) nor a hub repo id ('org/name')")
+
+
+def _looks_like_repo_id(name: str) -> bool:
+    # A path-like name that does not exist ('./x', '/data/ckpt', 'a/b/c') is a missing
+    # directory, not a repo: asking the hub about it would only hide the typo.
+    return re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None and not name.startswith(".")
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local snapshot directory of a hub repo (only the files in HUB_FILES), through
+    huggingface_hub: it honours HF_HUB_OFFLINE, HF_HOME / HF_HUB_CACHE and a revision
+    already cached."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError)
+    try:
+        folder = huggingface_hub.snapshot_download(repo_id, allow_patterns=HUB_FILES)
+    except LocalEntryNotFoundError:
+        if constants.HF_HUB_OFFLINE:
+            raise ConfigError(f"model {repo_id!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                              "HF_HUB_OFFLINE=1 forbids downloading it: download it once with network access "
+                              f"(`hf download {repo_id}`), point HF_HOME / HF_HUB_CACHE at a cache that holds "
+                              "it, or pass a checkpoint directory") from None
+        raise ConfigError(f"model {repo_id!r} could not be downloaded from the Hugging Face hub and is not in the "
+                          f"cache ({constants.HF_HUB_CACHE}): check the network, or pass a checkpoint "
+                          "directory") from None
+    except (RepositoryNotFoundError, GatedRepoError, HFValidationError) as e:
+        raise ConfigError(f"model {repo_id!r}: the Hugging Face hub refused it ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0]}); check the name, or log in (`hf auth login`) for a "
+                          "gated or private repo") from None
+    return Path(folder)
