@@ -222,14 +222,19 @@ class Scheduler:
                 r.prev_num_emitted = res.num_emitted
                 r.stats.record(res.drafted, res.num_emitted - 1)
             r.drafts = res.drafts
-            if self._append(r, res.emitted):
+            if self._append(r, res.emitted, plan.kind == StepKind.VERIFY):
                 finished.append(r)
         return finished
 
-    def _append(self, r: Request, tokens: list[int]) -> bool:
+    def _append(self, r: Request, tokens: list[int], verify: bool) -> bool:
         p = r.params
-        for t in tokens:
+        if tokens:
+            r.num_steps += 1
+        for j, t in enumerate(tokens):
             r.output_token_ids.append(t)
+            # A verify step emits its accepted drafts (positions 1..), then the target's token.
+            r.token_steps.append(r.num_steps - 1)
+            r.token_draft_positions.append(j + 1 if verify and j < len(tokens) - 1 else 0)
             if t in p.stop_token_ids or (not p.ignore_eos and t in r.eos_token_ids):
                 return self.finish(r, "stop")
             if len(r.output_token_ids) >= p.max_tokens or r.num_tokens >= self.cfg.max_model_len:
