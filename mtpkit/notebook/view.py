@@ -136,7 +136,7 @@ def _ui_poll():
         from jupyter_ui_poll import ui_events
     except ImportError:
         return contextlib.nullcontext(lambda n: None)
-    return ui_events()
+    return ui_events() if in_notebook() else contextlib.nullcontext(lambda n: None)
 
 
 def watch(llm, prompts, sampling_params=None, *, display: bool | None = None,
