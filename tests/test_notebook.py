@@ -120,7 +120,10 @@ def test_stop_aborts_and_the_next_call_is_clean(llm, fresh_outputs, how, monkeyp
         return done
 
     monkeypatch.setattr(llm, "step", stepping)
-    outs = nbview.watch(llm, PROMPTS, SamplingParams(max_tokens=40), display=True)
+    try:
+        outs = nbview.watch(llm, PROMPTS, SamplingParams(max_tokens=40), display=True)
+    except KeyboardInterrupt:
+        pytest.fail("watch() let the interrupt through instead of returning what was generated")
     monkeypatch.undo()
     if how == "stop button":
         assert at_stop["pools"] == free
