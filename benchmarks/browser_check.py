@@ -3,6 +3,8 @@
 Serves JupyterLab on localhost, opens examples/quickstart.ipynb (a copy) in headless Chromium,
 runs all cells from the Run menu, checks the streaming view's DOM (three panels, tokens
 coloured by origin, acceptance bars, the rich displays) and writes a screenshot of the view.
+Two cells appended to the copy then start a long generation and click its Stop button with
+the mouse while the cell runs: the requests must end "abort" and the pools be free again.
 
 Needs Debian's chromium and chromium-driver, and jupyterlab + selenium (+ ipywidgets, for the
 widget frontend) in the Python that runs this script:
@@ -31,6 +33,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "mtpkit-browser-check"
+
+
+# Long enough (3 x 1900 tokens) that the click lands while the cell runs.
+STOP_CELL = ("free = (llm.blocks.num_free, llm.slots.num_free)\n"
+             "long = watch(llm, prompts, SamplingParams(max_tokens=1900, ignore_eos=True))")
+STOP_REPORT = ("print('STOPCHECK', json.dumps({'reasons': [o.finish_reason for o in long], "
+               "'lengths': [len(o.token_ids) for o in long], "
+               "'pools_free': (llm.blocks.num_free, llm.slots.num_free) == free, "
+               "'via_subshell': mtpkit.notebook.stop_channel._subshell_id is not None}))")
 
 
 def free_port() -> int:
@@ -77,6 +88,8 @@ def main() -> int:
     kernelspec(work / "jupyter", args.kernel_python)
     nb = json.loads((ROOT / "examples" / "quickstart.ipynb").read_text())
     nb["metadata"]["kernelspec"] = {"name": "mtpkit", "display_name": "mtpkit", "language": "python"}
+    nb["cells"] += [{"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": src}
+                    for src in (STOP_CELL, STOP_REPORT)]
     (work / "quickstart.ipynb").write_text(json.dumps(nb))
     port = free_port()
     env = dict(os.environ, JUPYTER_PATH=str(work / "jupyter"), JUPYTER_CONFIG_DIR=str(work / "config"))
@@ -115,9 +128,18 @@ def main() -> int:
         driver.find_element(By.XPATH, "//div[contains(@class,'lm-Menu-itemLabel') and "
                                       "text()='Run All Cells']").click()
         t0 = time.time()
-        wait_for("return document.querySelector('.mtp-shape-error') !== null || "
+        # The long generation's view: click Stop (a real click) once it has tokens.
+        wait_for("const v = document.querySelectorAll('.mtp-view'); return v.length == 2 && "
+                 "v[1].querySelectorAll('.mtp-tok').length > 50", args.timeout, "the long generation")
+        stop_button = driver.find_elements(By.CSS_SELECTOR, ".mtp-view")[1].find_element(By.TAG_NAME, "button")
+        driver.execute_script("arguments[0].scrollIntoView()", stop_button)
+        stop_button.click()
+        wait_for("return document.body.textContent.includes('STOPCHECK {') || "
                  "document.querySelector('.jp-OutputArea-output[data-mime-type=\"application/vnd.jupyter.stderr\"]')"
                  " !== null && document.body.innerText.includes('Traceback')", args.timeout, "the last cell")
+        report = json.loads(driver.execute_script(
+            "return document.body.textContent").split("STOPCHECK ", 1)[1].split("}", 1)[0] + "}")
+        print(f"after the click on Stop: {report}")
         errors = driver.execute_script("return [...document.querySelectorAll('.jp-OutputArea-output')]"
                                        ".map(e => e.innerText).filter(t => t.includes('Traceback'))")
         if errors:
@@ -151,6 +173,9 @@ def main() -> int:
             problems.append(f"acceptance bars {dom['bars']}, expected 3 of non-zero width")
         if "tok/s" not in dom["rate"] or not dom["stop"]:
             problems.append("tokens/s or the Stop button missing")
+        if set(report["reasons"]) != {"abort"} or not all(n < 1900 for n in report["lengths"]) or \
+                not report["pools_free"]:
+            problems.append("Stop did not abort the running requests and free their storage")
         if dom["rich"]:
             problems.append(f"rich displays missing: {dom['rich']}")
         view = driver.find_element(By.CSS_SELECTOR, ".mtp-view")

@@ -9,20 +9,21 @@ Stopping: the Stop button calls `LLM.abort` on the view's requests, which frees 
 at once; the stream then reports them finished with "abort" and the view shows what they had
 generated. The notebook's interrupt (a KeyboardInterrupt inside the call) closes the stream,
 which aborts the same way; `watch` then returns the outputs so far instead of raising.
-A cell that runs `watch` blocks the kernel, so the button's click is delivered between engine
-steps through jupyter-ui-poll (the `notebook` extra); without it the click arrives only after
-the call.
+A cell that runs `watch` blocks the kernel's main thread; stop_channel.py says how the
+click gets through anyway.
 
 Outside a notebook (no kernel, or ipywidgets missing) it prints the text and a stats line.
 """
 
 import contextlib
 import dataclasses
+import threading
 import time
 
 from ..detokenize import IncrementalDetokenizer
 from ..engine.request import RequestOutput, SpecStats
 from . import html as H
+from .stop_channel import route_to_subshell, ui_poll
 
 
 def in_notebook() -> bool:
@@ -48,7 +49,7 @@ class _Panel:
     """One request: its header and coloured text, built up span by span."""
 
     def __init__(self, widgets, index: int, prompt: str, tokenizer):
-        self.index, self.prompt, self.spans = index, prompt, []
+        self.index, self.prompt, self.spans, self.status, self.dirty = index, prompt, [], "waiting", False
         self.detok = IncrementalDetokenizer(tokenizer)
         self.tokenizer = tokenizer
         self.header = widgets.HTML(self._header("waiting", 0))
@@ -67,14 +68,20 @@ class _Panel:
             last = out.finished and i == len(out.token_ids) - 1
             piece = self.detok.add([t], final=last) if self.tokenizer is not None else f"[{t}]"
             self.spans.append(H.token_spans([t], [piece], [out.token_steps[i]], [out.token_draft_positions[i]]))
-        status = out.finish_reason or "running"
-        self.header.value = self._header(status, len(out.token_ids))
-        self.text.value = H.text_block(self.prompt, "".join(self.spans))
+        self.status, self.dirty = out.finish_reason or "running", True
+
+    def draw(self) -> None:
+        # Redrawn at the view's refresh rate, not per step: the whole text is resent each
+        # time, which per step would grow quadratically with a long generation.
+        if self.dirty:
+            self.header.value = self._header(self.status, len(self.spans))
+            self.text.value = H.text_block(self.prompt, "".join(self.spans))
+            self.dirty = False
 
 
 class SpecView:
     """The widgets of one `watch` call: panels, acceptance bars, tokens/s, the Stop button.
-    Kept as `mtpkit.notebook.last_view` so a later cell (or a test) can read them."""
+    Kept as `mtpkit.notebook.view.last_view` so a later cell (or a test) can read them."""
 
     def __init__(self, llm, prompts: list, refresh: float = 0.1):
         import ipywidgets as widgets
@@ -97,10 +104,15 @@ class SpecView:
         self._last_refresh, self._t0, self._num_tokens = 0.0, time.perf_counter(), 0
 
     def _on_stop(self, _button=None) -> None:
-        # Storage is freed here, at the click; requests still queued hold none and are
-        # aborted when watch() closes its stream.
+        # On the main thread (between steps) storage is freed here, at the click. A click
+        # handled on a kernel subshell (stop_channel) only sets the flag: watch() aborts on
+        # the main thread after the current step. Requests still queued hold no storage;
+        # watch() aborts them by closing its stream.
         self.stopped = True
-        self.stop_button.disabled = True
+        if threading.current_thread() is threading.main_thread():
+            self.abort()
+
+    def abort(self) -> None:
         self.llm.abort(sorted(self.request_ids))
 
     def update(self, ev, latest: list) -> None:
@@ -113,6 +125,8 @@ class SpecView:
             self.refresh_stats(latest)
 
     def refresh_stats(self, latest: list, status: str = "") -> None:
+        for p in self.panels:
+            p.draw()
         self._last_refresh = now = time.perf_counter()
         elapsed = max(now - self._t0, 1e-9)
         self.rate.value = (f'<span class="mtp-rate" style="font-size:12px;margin-left:8px">{self._num_tokens} tokens · '
@@ -121,22 +135,14 @@ class SpecView:
         stats.num_spec = max(stats.num_spec, self.llm.engine_config.num_spec)
         self.bars.value = H.acceptance_bars(stats)
 
-    def finish(self, latest: list, status: str) -> None:
+    def finish(self, outputs: list, status: str) -> None:
         self.stop_button.disabled = True
-        self.refresh_stats(latest, status)
+        for p, o in zip(self.panels, outputs):
+            p.status, p.dirty = o.finish_reason, True
+        self.refresh_stats(outputs, status)
 
 
 last_view: SpecView | None = None
-
-
-def _ui_poll():
-    """Process pending widget events (the Stop button) while the cell runs, if jupyter-ui-poll
-    is installed; else a no-op."""
-    try:
-        from jupyter_ui_poll import ui_events
-    except ImportError:
-        return contextlib.nullcontext(lambda n: None)
-    return ui_events() if in_notebook() else contextlib.nullcontext(lambda n: None)
 
 
 def watch(llm, prompts, sampling_params=None, *, display: bool | None = None,
@@ -158,15 +164,19 @@ def watch(llm, prompts, sampling_params=None, *, display: bool | None = None,
 
     view = last_view = SpecView(llm, prompts, refresh)
     show(view.widget)
+    polling = contextlib.nullcontext(lambda n: None)
+    if in_notebook() and not route_to_subshell(view.stop_button):
+        polling = ui_poll()
     latest: list = [None] * len(prompts)
     status = "done"
     try:
-        with _ui_poll() as poll, contextlib.closing(llm.stream(prompts, sampling_params)) as events:
+        with polling as poll, contextlib.closing(llm.stream(prompts, sampling_params)) as events:
             for ev in events:
                 latest[ev.index] = ev.output
                 view.update(ev, latest)
                 poll(20)
                 if view.stopped:   # closing the stream aborts what the button could not see yet
+                    view.abort()
                     break
     except KeyboardInterrupt:
         status = "interrupted"   # the stream was closed: its requests are aborted
