@@ -238,3 +238,43 @@ def test_tp_notebook_runs_two_cpu_ranks():
     _, outputs = _execute("tp_notebook.ipynb")
     text = "".join(o.get("text", "") for o in outputs)
     assert "tensor_parallel_size 2" in text and "[True, True]" in text
+
+
+def test_stop_click_reaches_a_running_cell():
+    """A frontend's click (a comm message on the shell channel, as JupyterLab sends it) while
+    the cell running watch() blocks the kernel: the requests stop early with "abort"."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(ROOT))
+    try:
+        kc.execute_interactive("from mtpkit import LLM, SamplingParams\nfrom mtpkit.notebook import watch\n"
+                               "llm = LLM('tiny-qwen3-next', num_spec=3)\n"
+                               "free = (llm.blocks.num_free, llm.slots.num_free)", timeout=120)
+        run = kc.execute(f"outs = watch(llm, {PROMPTS!r}, SamplingParams(max_tokens=1900, ignore_eos=True))")
+        button, redraws = None, 0
+        while redraws < 3:   # the view is up and the text has been redrawn a few times
+            msg = kc.get_iopub_msg(timeout=120)
+            content = msg["content"]
+            if msg["msg_type"] == "comm_open" and content["data"]["state"].get("_model_name") == "ButtonModel":
+                button = content["comm_id"]
+            elif msg["msg_type"] == "comm_msg" and "mtp-tok" in str(content["data"].get("state", {}).get("value")):
+                redraws += 1
+            assert msg["msg_type"] != "execute_result" and content.get("execution_state") != "idle"
+        kc.shell_channel.send(kc.session.msg("comm_msg", {"comm_id": button, "data": {
+            "method": "custom", "content": {"event": "click"}}}))
+        while True:
+            reply = kc.get_shell_msg(timeout=120)
+            if reply["parent_header"].get("msg_id") == run:
+                break
+        assert reply["content"]["status"] == "ok"
+        printed = []
+        kc.execute_interactive("import json\nprint(json.dumps([[o.finish_reason, len(o.token_ids)] for o in outs]), "
+                               "(llm.blocks.num_free, llm.slots.num_free) == free)",
+                               output_hook=lambda m: printed.append(m["content"].get("text", "")), timeout=60)
+        finished, pools_free = "".join(printed).rsplit(" ", 1)
+        finished = json.loads(finished)
+        assert [r for r, _ in finished] == ["abort"] * 3 and all(0 < n < 1900 for _, n in finished)
+        assert pools_free.strip() == "True"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
