@@ -147,6 +147,13 @@ def test_plain_text_outside_a_notebook(llm, fresh_outputs, capsys):
     assert "tok/s" in printed and "mean acceptance length" in printed
 
 
+def test_bad_input_is_refused_before_the_view(llm):
+    nbview.last_view = None
+    with pytest.raises(mtpkit.InputError, match="prompt 1: .*max_model_len"):
+        nbview.watch(llm, ["x = 1", "y" * 10], SamplingParams(max_tokens=5000), display=True)
+    assert nbview.last_view is None and not llm.scheduler.has_unfinished()
+
+
 # ---- rich displays ---------------------------------------------------------------------
 def test_request_output_and_stats_html(llm):
     o = llm.generate("import sys\n", SamplingParams(max_tokens=30))[0]

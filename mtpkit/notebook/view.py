@@ -154,7 +154,8 @@ def watch(llm, prompts, sampling_params=None, *, display: bool | None = None,
     a stopped or interrupted call returns its requests with finish_reason "abort"."""
     from ..llm import _prompt_list
 
-    prompts = _prompt_list(prompts)   # checked again, whole, by stream before any work
+    prompts = _prompt_list(prompts)
+    _check(llm, prompts, sampling_params)   # bad input is refused before the view is drawn
     if display is None:
         display = in_notebook()
     if not display:
@@ -185,6 +186,23 @@ def watch(llm, prompts, sampling_params=None, *, display: bool | None = None,
     outputs = _final(llm, prompts, latest)
     view.finish(outputs, status)
     return outputs
+
+
+def _check(llm, prompts: list, sampling_params) -> None:
+    """The call's input errors, as LLM.stream would raise them (it checks again)."""
+    from ..errors import InputError
+
+    params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+    if len(params) != len(prompts):
+        raise InputError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+    problems = []
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        try:
+            llm._validate(p, sp, f"prompt {i}")
+        except InputError as e:
+            problems.append(str(e))
+    if problems:
+        raise InputError("; ".join(problems) + ("" if len(prompts) == 1 else " (nothing was run)"))
 
 
 def _final(llm, prompts, latest: list) -> list[RequestOutput]:
