@@ -154,6 +154,18 @@ def test_bad_input_is_refused_before_the_view(llm):
     assert nbview.last_view is None and not llm.scheduler.has_unfinished()
 
 
+def test_no_view_without_ipywidgets(monkeypatch):
+    import sys
+    import types
+
+    import IPython
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: types.SimpleNamespace(kernel=object()))
+    assert nbview.in_notebook()   # a kernel, ipywidgets importable
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)   # import ipywidgets now fails
+    assert not nbview.in_notebook()
+
+
 # ---- rich displays ---------------------------------------------------------------------
 def test_request_output_and_stats_html(llm):
     o = llm.generate("import sys\n", SamplingParams(max_tokens=30))[0]

@@ -33,5 +33,6 @@ class TraceViewer:
 
     def redraw(self) -> None:
         t = self.filtered()
-        self.table.value = (f"<div style='font-size:11px'>{len(t)} of {len(self.trace)} calls"
-                            f"{f' (last {self.last} shown)' if len(t) > self.last else ''}</div>" + t.html(last=self.last))
+        shown = f" (last {self.last} shown)" if len(t) > self.last else ""
+        self.table.value = (f"<div style='font-size:11px'>{len(t)} of {len(self.trace)} calls{shown}</div>"
+                            + t.html(last=self.last))

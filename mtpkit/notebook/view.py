@@ -129,8 +129,8 @@ class SpecView:
             p.draw()
         self._last_refresh = now = time.perf_counter()
         elapsed = max(now - self._t0, 1e-9)
-        self.rate.value = (f'<span class="mtp-rate" style="font-size:12px;margin-left:8px">{self._num_tokens} tokens · '
-                           f'{self._num_tokens / elapsed:.1f} tok/s{(" · " + status) if status else ""}</span>')
+        self.rate.value = (f'<span class="mtp-rate" style="font-size:12px;margin-left:8px">'
+                           f'{self._num_tokens} tokens · {self._num_tokens / elapsed:.1f} tok/s{(" · " + status) if status else ""}</span>')
         stats = _merged(latest)
         stats.num_spec = max(stats.num_spec, self.llm.engine_config.num_spec)
         self.bars.value = H.acceptance_bars(stats)
