@@ -423,7 +423,8 @@ class LLM:
         if self.tokenizer is not None:
             text = cut_at_stop(self.tokenizer.decode(r.output_token_ids), r.params.stop)
         return RequestOutput(r.req_id, list(r.prompt_token_ids), list(r.output_token_ids), text,
-                             r.finish_reason, r.stats, None, r.num_preemptions)
+                             r.finish_reason, r.stats, None, r.num_preemptions,
+                             list(r.token_steps), list(r.token_draft_positions), self.tokenizer)
 
     def _error_output(self, prompt, msg: str) -> RequestOutput:
         try:  # the ids as far as they can be read: a bad prompt may be anything

@@ -81,7 +81,22 @@ DIMS: dict[str, str] = {
 
 
 class ShapeError(TypeError):
-    """A tensor at a boundary does not have the shape or dtype its annotation names."""
+    """A tensor at a boundary does not have the shape or dtype its annotation names.
+
+    `boundary` is the checked function (or dataclass), `bindings` the dimension values bound
+    before the conflict, `argument` the parameter (or "return") that conflicted, `actual` /
+    `expected` its value and annotation as jaxtyping wrote them."""
+
+    def __init__(self, message: str, boundary: str = "", bindings: dict[str, int] | None = None,
+                 argument: str | None = None, actual: str | None = None, expected: str | None = None):
+        super().__init__(message)
+        self.boundary, self.bindings, self.argument = boundary, dict(bindings or {}), argument
+        self.actual, self.expected = actual, expected
+
+    def _repr_html_(self) -> str:  # Jupyter: the boundary, the bindings, the argument
+        from .notebook.html import shape_error_html
+
+        return shape_error_html(self)
 
 
 @dataclasses.dataclass
@@ -112,6 +127,34 @@ class ShapeTrace:
 
     def functions(self) -> list[str]:
         return [e.function for e in self.entries]
+
+    def filter(self, function: str | None = None, **dims: int | bool) -> "ShapeTrace":
+        """The entries whose function name contains `function` and whose bound dimensions
+        match `dims` (a value: bound to it; True: bound at all), as a new trace. e.g.
+        trace.filter("paged", num_reqs_padded=4), trace.filter(conv_state_len=True)."""
+        unknown = sorted(set(dims) - set(DIMS))
+        if unknown:
+            raise NameError(f"filter: {unknown} are not dimension names; use names from mtpkit.shapes.DIMS: "
+                            f"{sorted(DIMS)}")
+        out = ShapeTrace(maxlen=self.entries.maxlen)
+        for e in self.entries:
+            if function is not None and function not in e.function:
+                continue
+            if all(k in e.dims and (v is True or e.dims[k] == v) for k, v in dims.items()):
+                out.entries.append(e)
+        return out
+
+    def html(self, last: int | None = None) -> str:
+        """An HTML table: function, num_reqs, num_reqs_padded, bundle, every other bound
+        dimension, and the arguments' shapes and dtypes (filter first to narrow it)."""
+        from .notebook.html import trace_table
+
+        return trace_table(list(self.entries)[-last:] if last else self.entries)
+
+    def _repr_html_(self) -> str:  # Jupyter: the last 200 calls (filter() for others)
+        n = len(self.entries)
+        note = f"<div style='font-size:11px'>last 200 of {n} calls; use .filter() / .html()</div>" if n > 200 else ""
+        return note + self.html(last=200)
 
     def table(self, last: int | None = None, args: bool = True) -> str:
         """A readable table: one row per call, its dimension bindings, then its arguments."""
@@ -272,8 +315,21 @@ def _record(qualname: str, hints: dict, bound: inspect.BoundArguments, result) -
 
 
 def _shape_error(qualname: str, err: Exception) -> ShapeError:
+    """A ShapeError with the parts of jaxtyping's message a reader needs picked out."""
+    import re
+
     msg = str(err)
-    return ShapeError(f"shape check failed at {qualname}:\n{msg}")
+    arg = re.search(r"typechecking parameter '(\w+)'", msg) or re.search(r"checking the (return) value", msg)
+    actual = re.search(r"^Actual value: (.*)$", msg, re.M)
+    expected = re.search(r"^Expected type: (.*)$", msg, re.M)
+    bindings = {}
+    tail = msg.split("axis annotation are as follows.", 1)
+    if len(tail) == 2:
+        for m in re.finditer(r"^(\w+)=(-?\d+)$", tail[1], re.M):
+            bindings[m.group(1)] = int(m.group(2))
+    return ShapeError(f"shape check failed at {qualname}:\n{msg}", qualname, bindings,
+                      arg.group(1) if arg else None, actual.group(1) if actual else None,
+                      expected.group(1).rstrip(".") if expected else None)
 
 
 def _is_symbolic(ann) -> bool:

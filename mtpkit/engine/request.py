@@ -63,6 +63,11 @@ class SpecStats:
     def acceptance_rate(self) -> float:
         return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
 
+    def _repr_html_(self) -> str:  # Jupyter: acceptance per position as a bar chart
+        from ..notebook.html import acceptance_bars
+
+        return acceptance_bars(self)
+
     def __str__(self) -> str:
         rates = ", ".join(f"{r:.2f}" for r in self.acceptance_rate_per_position)
         return (f"mean acceptance length {self.mean_acceptance_length:.2f} "
@@ -88,6 +93,11 @@ class Request:
     num_preemptions: int = 0
     stats: SpecStats = dataclasses.field(default_factory=SpecStats)
     stop_matcher: StopStringMatcher | None = None   # when params.stop is set
+    # Where each output token came from (parallel to output_token_ids): the request's step
+    # that emitted it, and its draft position (0: the target's own token).
+    num_steps: int = 0             # steps that emitted tokens to this request
+    token_steps: list[int] = dataclasses.field(default_factory=list)
+    token_draft_positions: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -116,7 +126,26 @@ class RequestOutput:
     spec_stats: SpecStats
     error: str | None = None
     num_preemptions: int = 0
+    # Per token of token_ids: the request's step that emitted it (0: the step that finished
+    # the prompt; each later step is one verify step, or a recompute after preemption) ...
+    token_steps: list[int] = dataclasses.field(default_factory=list)
+    # ... and its origin: j >= 1 for an accepted draft of position j, 0 for the target's own
+    # token (after a prefill, at a rejection, or the bonus token after all drafts were accepted).
+    token_draft_positions: list[int] = dataclasses.field(default_factory=list)
+    # For the HTML display (each token's text); not part of the result's value.
+    tokenizer: object = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Accepted drafts among token_ids (spec_stats.num_accepted also counts drafts accepted
+        past a stop token, which are dropped)."""
+        return sum(1 for j in self.token_draft_positions if j)
+
+    def _repr_html_(self) -> str:  # Jupyter: the text with every token coloured by origin
+        from ..notebook.html import request_output_html
+
+        return request_output_html(self)

@@ -222,19 +222,24 @@ class Scheduler:
                 r.prev_num_emitted = res.num_emitted
                 r.stats.record(res.drafted, res.num_emitted - 1)
             r.drafts = res.drafts
-            if self._append(r, res.emitted):
+            if self._append(r, res.emitted, plan.kind == StepKind.VERIFY):
                 finished.append(r)
         return finished
 
-    def _append(self, r: Request, tokens: list[int]) -> bool:
+    def _append(self, r: Request, tokens: list[int], verify: bool) -> bool:
         p = r.params
         # A stop string may end inside the step's tokens (an accepted bundle): the tokens after
         # the one that completes it are dropped.
         stop_at = None
         if r.stop_matcher is not None and tokens:
             stop_at = r.stop_matcher.find(r.output_token_ids + tokens, len(tokens))
+        if tokens:
+            r.num_steps += 1
         for i, t in enumerate(tokens):
             r.output_token_ids.append(t)
+            # A verify step emits its accepted drafts (positions 1..), then the target's token.
+            r.token_steps.append(r.num_steps - 1)
+            r.token_draft_positions.append(i + 1 if verify and i < len(tokens) - 1 else 0)
             if t in p.stop_token_ids or (not p.ignore_eos and t in r.eos_token_ids) or i == stop_at:
                 return self.finish(r, "stop")
             if len(r.output_token_ids) >= p.max_tokens or r.num_tokens >= self.cfg.max_model_len:
