@@ -128,6 +128,17 @@ def checkpoint_fp8(path: Path) -> FP8Format | None:
     return FP8Format.from_config(json.loads(f.read_text()), str(f)) if f.exists() else None
 
 
+def fp8_weights(path: Path) -> tuple[FP8Format, dict[str, str]] | None:
+    """(format, FP8 weight name -> scale name) of an FP8 checkpoint, from config.json and the
+    headers alone; None when it is not quantized."""
+    fmt = checkpoint_fp8(path)
+    if fmt is None:
+        return None
+    dtypes: dict[str, str] = {}
+    shapes = _shapes(checkpoint_index(path), dtypes)
+    return fmt, pair_scales(fmt, shapes, dtypes, str(path))
+
+
 def keep_fp8_linears(model: nn.Module, fmt: FP8Format, fp8_weights) -> list[str]:
     """Switch every plain linear layer whose checkpoint weight is FP8 (and whose shard is
     whole scale blocks) to FP8 mode; the others (merged projections, the MoE, layers in
