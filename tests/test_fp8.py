@@ -23,6 +23,7 @@ from mtpkit.attn.fp8_matmul import dequantize, fp8_linear_reference, quantize
 from mtpkit.errors import CheckpointError, ConfigError
 from mtpkit.models import loader
 from mtpkit.models.layers import Linear, RowParallelLinear
+from mtpkit.models.moe import SparseMoE
 
 SEED = 3
 # What real FP8 checkpoints keep unquantized (embeddings, lm_head, routers, the shared
@@ -167,13 +168,21 @@ def test_fp8_kept_model_equals_dequantized(fp8_pair, monkeypatch):
     llm = _llm(fp8_dir, dtype="float32")
     assert "layers.3.self_attn.o_proj" in kept and "layers.0.linear_attn.out_proj" in kept
     assert llm.model.layers[3].self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
+    # the MoE keeps its experts in FP8 where the blocks divide them ([16, 32]: the tiny
+    # intermediate 32 is whole blocks; [128, 128] is not, and is dequantized)
+    moe = llm.model.layers[0].mlp
+    assert (moe.w13.dtype == torch.float8_e4m3fn) == (block == (16, 32)) == ("layers.0.mlp" in kept)
     got = llm.score(PROMPT)
     assert (got - want).abs().max() < 0.2 * want.abs().max()
     with monkeypatch.context() as m:
         m.setattr(fp8_matmul, "quantize_activation",
                   lambda x, group: (x.float(), torch.ones(x.shape[0], -(-x.shape[1] // group))))
-        exact = llm.score(PROMPT)
-    torch.testing.assert_close(exact, want, atol=1e-5 * want.abs().max().item(), rtol=0)
+        # each of the MoE's three paths (fixed by the step's shape): dense, sparse, grouped
+        for dense_limit, sparse_share in ((1 << 30, 8), (1 << 30, 0), (0, 8)):
+            m.setattr(SparseMoE, "dense_limit", dense_limit)
+            m.setattr(SparseMoE, "sparse_share", sparse_share)
+            exact = llm.score(PROMPT)
+            torch.testing.assert_close(exact, want, atol=1e-5 * want.abs().max().item(), rtol=0)
 
 
 def test_inconsistent_fp8_checkpoints_are_refused(fp8_pair, tmp_path):

@@ -18,6 +18,7 @@ from torch import nn
 from ..errors import CheckpointError
 from .fp8 import FP8_HEADER, Dequantized, FP8Format, pair_scales
 from .layers import ColumnParallelLinear, KVParallelLinear, Linear, RowParallelLinear
+from .moe import SparseMoE
 from .weights import WeightSpec, read
 
 
@@ -140,14 +141,24 @@ def fp8_weights(path: Path) -> tuple[FP8Format, dict[str, str]] | None:
 
 
 def keep_fp8_linears(model: nn.Module, fmt: FP8Format, fp8_weights) -> list[str]:
-    """Switch every plain linear layer whose checkpoint weight is FP8 (and whose shard is
-    whole scale blocks) to FP8 mode; the others (merged projections, the MoE, layers in
-    modules_to_not_convert) are dequantized when loaded. Returns the layers switched."""
+    """Switch every plain linear layer and MoE block whose checkpoint weights are FP8 (and
+    whose shards are whole scale blocks) to FP8 mode; the others (merged projections, the
+    MoE's router and shared-expert gate/up rows, layers in modules_to_not_convert) are
+    dequantized when loaded. Returns the modules switched."""
     kept = []
+    if fmt.block is None:
+        return kept
     for mname, m in model.named_modules():
-        if (type(m) in (Linear, ColumnParallelLinear, RowParallelLinear, KVParallelLinear)
-                and model.checkpoint_name(mname) + ".weight" in fp8_weights and fmt.block is not None
-                and m.fp8_shardable(fmt.block)):
+        prefix = model.checkpoint_name(mname)
+        if type(m) in (Linear, ColumnParallelLinear, RowParallelLinear, KVParallelLinear):
+            fp8 = prefix + ".weight" in fp8_weights
+        elif isinstance(m, SparseMoE):  # every expert stored per expert in FP8 (not fused)
+            fp8 = all(f"{prefix}.experts.{e}.{p}_proj.weight" in fp8_weights
+                      for e in range(m.num_experts) for p in ("gate", "up", "down")) and (
+                not m.s or f"{prefix}.shared_expert.down_proj.weight" in fp8_weights)
+        else:
+            continue
+        if fp8 and m.fp8_shardable(fmt.block):
             m.use_fp8(fmt.block)
             kept.append(mname)
     return kept
