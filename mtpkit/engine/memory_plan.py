@@ -131,8 +131,8 @@ def weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Bytes of the model's parameters once loaded: `dtype`, except what is kept as stored
     (FP8 weights and their fp32 scales); buffers (RoPE tables) in fp32."""
     total = 0
-    for name, p in model.named_parameters():
-        kept = p.dtype == torch.float8_e4m3fn or name.endswith("weight_scale_inv")
+    for p in model.parameters():
+        kept = p.dtype == torch.float8_e4m3fn or getattr(p, "fp8_scale", False)
         total += p.numel() * (p.dtype.itemsize if kept else dtype.itemsize)
     return total + sum(b.numel() * b.dtype.itemsize for b in model.buffers())
 

@@ -70,6 +70,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, inp, dtype=torch.float8_e4m3fn), requires_grad=False)
         self.weight_scale_inv = nn.Parameter(torch.empty(-(-out // block[0]), -(-inp // block[1])),
                                              requires_grad=False)
+        self.weight_scale_inv.fp8_scale = True  # fp32 whatever the model dtype (memory planning)
 
     def _scale_part(self, scale) -> torch.Tensor:
         if self.shard_dim is None or self.tp.size == 1:

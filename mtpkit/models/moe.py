@@ -77,6 +77,7 @@ class SparseMoE(nn.Module):
         self.w13_scale = nn.Parameter(torch.empty(nl, 2 * I // bn, -(-H // bk)), requires_grad=False)
         self.w_out = nn.Parameter(torch.empty(H, cols, dtype=fp8), requires_grad=False)
         self.w_out_scale = nn.Parameter(torch.empty(-(-H // bn), cols // bk), requires_grad=False)
+        self.w13_scale.fp8_scale = self.w_out_scale.fp8_scale = True  # fp32 whatever the model dtype
 
     def _fp8_specs(self, prefix: str) -> list[WeightSpec]:
         """w13, w_out and their scales from the raw FP8 pairs (the loader gives a spec that
