@@ -139,8 +139,8 @@ class LLM:
                                                 **target_kwargs)
             self.memory_plan = plan = self._plan_memory(budget, spec, activation_bytes=None)
             num_blocks, num_state_slots = plan.num_blocks, plan.num_slots
-            if self.device.type == "cuda":  # a provisional pool for the profile run (one request)
-                num_blocks, num_state_slots = 1 + ecfg.max_blocks, (1 + bundle if spec.has_state else None)
+            if self.device.type == "cuda":  # a provisional KV pool for the profile run (one request)
+                num_blocks = 1 + ecfg.max_blocks
         if num_blocks is None:
             if kv_cache_memory is not None:
                 num_blocks = max(kv_cache_memory // spec.bytes_per_block(block_size, self.dtype), 0)
@@ -211,7 +211,8 @@ class LLM:
         self.stats = SpecStats(num_spec=num_spec)
         if self.memory_plan is not None:
             if self.device.type == "cuda":  # activations measured, then the pools at their planned sizes
-                self._resize_pools(budget, graph_sizes, cudagraph_capture_sizes)
+                self._resize_pools(budget)
+            del self._meta
             print(self.memory_plan.summary(), file=sys.stderr, flush=True)
 
     def _make_engine(self, num_blocks: int, num_state_slots: int | None) -> None:
@@ -236,9 +237,10 @@ class LLM:
             block_size=ecfg.block_size, dtype=self.dtype, max_blocks=ecfg.max_blocks, bundle=ecfg.bundle,
             max_num_seqs=ecfg.max_num_seqs, max_model_len=ecfg.max_model_len, source=budget[1])
 
-    def _resize_pools(self, budget: tuple[int, str], graph_sizes, cudagraph_capture_sizes) -> None:
+    def _resize_pools(self, budget: tuple[int, str]) -> None:
         """CUDA: a profile run (one prefill of max_num_batched_tokens tokens) measures the
-        activations' peak; the pools are then allocated at the sizes that leaves."""
+        activations' peak; the KV pool is then allocated at the size that leaves (the state
+        pool's size does not depend on it, so the capture plan stands)."""
         ecfg = self.engine_config
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -251,10 +253,6 @@ class LLM:
         torch.cuda.empty_cache()
         self.cache = allocate_cache(self.cache_spec, num_blocks=plan.num_blocks, num_slots=plan.num_slots or 0,
                                     block_size=ecfg.block_size, dtype=self.dtype, device=self.device)
-        max_state_reqs = ecfg.max_num_seqs if plan.num_slots is None else (plan.num_slots - 1) // ecfg.bundle
-        self.capture_plan = build_capture_plan(
-            num_spec=ecfg.num_spec, max_num_seqs=ecfg.max_num_seqs, max_state_reqs=max_state_reqs,
-            graph_sizes=graph_sizes, cudagraph_capture_sizes=cudagraph_capture_sizes)
         self._make_engine(plan.num_blocks, plan.num_slots)
 
     # ---- inputs ---------------------------------------------------------------------

@@ -129,3 +129,32 @@ def test_fp8_layers_counted_at_stored_bytes(ckpt, tmp_path):
 def _ops():
     from mtpkit.attn.backend import select_backend
     return select_backend(torch.device("cpu"), None)
+
+
+def test_profile_run_resizes_the_kv_pool(ckpt, monkeypatch):
+    """The CUDA step after loading, run on CPU with torch.cuda's memory counters stood in:
+    the profile run's measured peak replaces the estimate, the KV pool is reallocated at the
+    size that leaves, and the engine runs on the new pools."""
+    budget = 6 * MiB
+    llm = _llm(ckpt, memory_budget=budget, dtype="float32")
+    estimated = llm.memory_plan
+    peak = estimated.activation_bytes + 50 * estimated.bytes_per_block
+    calls = []
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, name=name: calls.append(name))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 1000)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 1000 + peak)
+    scored = []
+    orig_score = llm.score
+    monkeypatch.setattr(llm, "score", lambda ids: scored.append(len(ids)) or orig_score(ids))
+    llm._meta = memory_plan.meta_model(*_family(ckpt), path=ckpt, load_format="safetensors",
+                                       device=torch.device("cpu"), attn_backend=None, tp=_tp(), with_mtp=True)
+    llm._resize_pools((budget, f"memory_budget={budget}"))
+    plan = llm.memory_plan
+    assert scored == [64] and "reset_peak_memory_stats" in calls    # one prefill of max_num_batched_tokens
+    assert plan.activation_source == "measured" and plan.activation_bytes == peak
+    assert plan.num_blocks == estimated.num_blocks - 50 and plan.num_slots == estimated.num_slots
+    assert _bytes(list(_flatten(llm.cache))) == plan.cache_bytes
+    assert llm.blocks.num_free == plan.num_blocks - 1 and llm.runner.cache is llm.cache
+    out = llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=8))
+    assert all(len(o.token_ids) == 8 for o in out)
