@@ -207,3 +207,40 @@ def test_inconsistent_fp8_checkpoints_are_refused(fp8_pair, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="quant_method='gptq' is not supported"):
         _llm(bad)
+
+
+def test_ue8m0_scales(fp8_dirs, tmp_path, monkeypatch):
+    """scale_fmt "ue8m0": power-of-two scales stored as float8_e8m0fnu, read as fp32 whether
+    the weight is dequantized (CPU) or kept in FP8."""
+    src, _, block, names = fp8_dirs("block16x32")
+    d = tmp_path / "ue8m0"
+    shutil.copytree(src, d)
+    f = d / "model.safetensors"
+    with safe_open(str(f), "pt") as fh:
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    for n in names:
+        w = dequantize(tensors[n], tensors[n + "_scale_inv"], block, torch.float32)
+        s = torch.exp2(torch.ceil(torch.log2(tensors[n + "_scale_inv"])))
+        tensors[n] = (w / s.repeat_interleave(block[0], 0)[:w.shape[0]].repeat_interleave(block[1], 1)[:, :w.shape[1]]
+                      ).to(torch.float8_e4m3fn)
+        tensors[n + "_scale_inv"] = s.to(torch.float8_e8m0fnu)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"]["scale_fmt"] = "ue8m0"
+    (d / "config.json").write_text(json.dumps(cfg))
+    name = "model.layers.3.self_attn.o_proj.weight"
+    want = dequantize(tensors[name], tensors[name + "_scale_inv"], block, torch.float32)
+    llm = _llm(d, dtype="float32")
+    assert torch.equal(llm.model.layers[3].self_attn.o_proj.weight, want)
+    orig_load = loader.load_checkpoint
+    monkeypatch.setattr(loader, "load_checkpoint", lambda *a, **k: orig_load(*a, **k, keep_fp8=True))
+    kept = _llm(d, dtype="float32")
+    o = kept.model.layers[3].self_attn.o_proj
+    assert o.weight_scale_inv.dtype == torch.float32
+    assert torch.equal(o.weight_scale_inv, tensors[name + "_scale_inv"].float())
+    assert kept.model.layers[0].mlp.w13_scale.dtype == torch.float32
+    from mtpkit.attn import fp8_matmul
+    want = llm.score(PROMPT)
+    monkeypatch.setattr(fp8_matmul, "quantize_activation",  # lossless: the weights' products alone
+                        lambda x, group: (x.float(), torch.ones(x.shape[0], -(-x.shape[1] // group))))
+    torch.testing.assert_close(kept.score(PROMPT), want, atol=1e-5 * want.abs().max().item(), rtol=0)

@@ -7,8 +7,9 @@ every parameter at its rank's shape and its loaded dtype, FP8 layers at one byte
 plus their scales), the activations of the largest step (estimated from the config first; on
 CUDA then measured by a profile run: a prefill of max_num_batched_tokens tokens), and the
 caches: the state pool slots for max_num_seqs requests (`bundle` each, the null slot), the
-KV pool every byte left, at least one request at max_model_len (shorter requests share it). Too little for one request is a ConfigError with
-the numbers, raised before any weight is read.
+KV pool every byte left, at least one request at max_model_len (shorter requests share it).
+Too little for one request is a ConfigError with the numbers, raised before any weight is
+read. CUDA-graph memory is not measured (graphs are captured lazily, after the plan).
 """
 
 import dataclasses

@@ -73,11 +73,12 @@ class Linear(nn.Module):
         self.weight_scale_inv.fp8_scale = True  # fp32 whatever the model dtype (memory planning)
 
     def _scale_part(self, scale) -> torch.Tensor:
+        """This rank's scales, as fp32 (ue8m0 checkpoints store them as float8_e8m0fnu)."""
         if self.shard_dim is None or self.tp.size == 1:
-            return read(scale)
+            return read(scale).float()
         start, length = self._part()
         b = self.fp8_block[self.shard_dim]
-        return narrow(scale, self.shard_dim, start // b, -(-length // b)).contiguous()
+        return narrow(scale, self.shard_dim, start // b, -(-length // b)).float().contiguous()
 
     def checkpoint_specs(self, prefix: str) -> list[WeightSpec]:
         name = prefix + ".weight"

@@ -96,12 +96,14 @@ class SparseMoE(nn.Module):
         out_src = ({n: (H, I) for n in downs} | {sc(n): (-(-H // bn), gi) for n in downs}
                    | ({sd: (H, S), sc(sd): (-(-H // bn), S // bk)} if self.s else {}))
 
-        def stack13(t, suffix):
-            return torch.stack([torch.cat([read(t[gates[e] + suffix]), read(t[ups[e] + suffix])]) for e in mine])
+        def stack13(t, suffix):  # scales as fp32 (ue8m0 checkpoints store float8_e8m0fnu)
+            w = torch.stack([torch.cat([read(t[gates[e] + suffix]), read(t[ups[e] + suffix])]) for e in mine])
+            return w.float() if suffix else w
 
         def cat_out(t, suffix, div):
             shared = [narrow(t[sd + suffix], 1, s0 // div, sl // div)] if self.s else []
-            return torch.cat(shared + [read(t[downs[e] + suffix]) for e in mine], dim=1)
+            w = torch.cat(shared + [read(t[downs[e] + suffix]) for e in mine], dim=1)
+            return w.float() if suffix else w
 
         def export_unsupported(_):
             raise ValueError("export_state_dict of FP8-kept experts is not supported: load with keep_fp8=False")
