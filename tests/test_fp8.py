@@ -244,3 +244,28 @@ def test_ue8m0_scales(fp8_dirs, tmp_path, monkeypatch):
     monkeypatch.setattr(fp8_matmul, "quantize_activation",  # lossless: the weights' products alone
                         lambda x, group: (x.float(), torch.ones(x.shape[0], -(-x.shape[1] // group))))
     torch.testing.assert_close(kept.score(PROMPT), want, atol=1e-5 * want.abs().max().item(), rtol=0)
+
+
+def test_fp8_column_shards_take_their_scale_blocks():
+    """Under tensor parallelism a rank's FP8 slice is whole scale blocks with those blocks'
+    scales; a split through a block is not kept in FP8 (the loader dequantizes it)."""
+    from mtpkit.models.layers import ColumnParallelLinear
+    from mtpkit.parallel import TP
+
+    torch.manual_seed(1)
+    block = (16, 32)
+    w = torch.randn(64, 96)
+    q, s = quantize(w, block)
+    x = torch.randn(3, 96)
+    full = fp8_linear_reference(x, q, s, block)
+    parts = []
+    for rank in (0, 1):
+        layer = ColumnParallelLinear(96, 64, TP(rank=rank, size=2))
+        assert layer.fp8_shardable(block)
+        layer.use_fp8(block)
+        for spec in layer.checkpoint_specs("m"):
+            spec.param.data = spec.assemble({"m.weight": q, "m.weight_scale_inv": s})
+        assert torch.equal(layer.weight_scale_inv, s[rank * 2:(rank + 1) * 2])
+        parts.append(layer(x))
+    torch.testing.assert_close(torch.cat(parts, dim=-1), full)
+    assert not ColumnParallelLinear(96, 48, TP(rank=1, size=2)).fp8_shardable(block)   # 24-row halves
