@@ -193,11 +193,20 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
 def fp8_linear(x: Tensor, wq: Tensor, scale: Tensor, block: tuple[int, int]) -> Tensor:
     """x @ W^T for a block-scaled FP8 weight: the Triton kernel on CUDA, its torch reference
     elsewhere (imported lazily: a CPU install has no Triton)."""
-    if x.device.type == "cuda":
-        from ..attn.triton_fp8_matmul import fp8_linear as kernel
-        return kernel(x, wq, scale, block)
+    if x.device.type == "cuda" and _triton_fp8() is not None:
+        return _triton_fp8()(x, wq, scale, block)
     from ..attn.fp8_matmul import fp8_linear_reference
     return fp8_linear_reference(x, wq, scale, block)
+
+
+def _triton_fp8():
+    """The Triton FP8 linear, or None without Triton (a CUDA install without the gpu extra runs
+    the torch reference, as the attention backends do)."""
+    try:
+        from ..attn.triton_fp8_matmul import fp8_linear as kernel
+    except ImportError:
+        return None
+    return kernel
 
 
 def _float(x: Tensor) -> Tensor:
