@@ -134,9 +134,8 @@ class LLM:
                                        num_blocks=num_blocks, num_state_slots=num_state_slots,
                                        kv_cache_memory=kv_cache_memory, state_cache_memory=state_cache_memory)
         if budget is not None:  # the weights and a first plan before any weight is read
-            self._meta = memory_plan.meta_model(self.family, cfg, path=path, load_format=load_format,
-                                                device=self.device, attn_backend=attn_backend, tp=tp,
-                                                **target_kwargs)
+            self._meta = memory_plan.meta_models(self.family, cfg, draft, path=path, load_format=load_format,
+                                                 device=self.device, attn_backend=attn_backend, tp=tp)
             self.memory_plan = plan = self._plan_memory(budget, spec, activation_bytes=None)
             num_blocks, num_state_slots = plan.num_blocks, plan.num_slots
             if self.device.type == "cuda":  # a provisional KV pool for the profile run (one request)
@@ -229,7 +228,7 @@ class LLM:
         source = "measured" if activation_bytes is not None else "estimated"
         if activation_bytes is None:
             activation_bytes = memory_plan.activation_estimate(
-                self._meta, tokens=ecfg.max_num_batched_tokens, logits_rows=ecfg.max_num_seqs * ecfg.bundle,
+                self._meta[0], tokens=ecfg.max_num_batched_tokens, logits_rows=ecfg.max_num_seqs * ecfg.bundle,
                 vocab=self.model_config.vocab_size, dtype=self.dtype)
         return memory_plan.plan_pools(
             budget=budget[0], weight_bytes=memory_plan.weight_bytes(self._meta, self.dtype),

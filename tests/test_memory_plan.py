@@ -10,6 +10,7 @@ from mtpkit import LLM, SamplingParams
 from mtpkit.engine import memory_plan
 from mtpkit.errors import ConfigError
 from mtpkit.models import loader
+from test_model_family import F64, toy  # noqa: F401  (the toy family and its checkpoints)
 
 MiB = 1 << 20
 
@@ -147,8 +148,8 @@ def test_profile_run_resizes_the_kv_pool(ckpt, monkeypatch):
     scored = []
     orig_score = llm.score
     monkeypatch.setattr(llm, "score", lambda ids: scored.append(len(ids)) or orig_score(ids))
-    llm._meta = memory_plan.meta_model(*_family(ckpt), path=ckpt, load_format="safetensors",
-                                       device=torch.device("cpu"), attn_backend=None, tp=_tp(), with_mtp=True)
+    llm._meta = [memory_plan.meta_model(*_family(ckpt), path=ckpt, load_format="safetensors",
+                                        device=torch.device("cpu"), attn_backend=None, tp=_tp(), with_mtp=True)]
     llm._resize_pools((budget, f"memory_budget={budget}"))
     plan = llm.memory_plan
     assert scored == [64] and "reset_peak_memory_stats" in calls    # one prefill of max_num_batched_tokens
@@ -158,3 +159,11 @@ def test_profile_run_resizes_the_kv_pool(ckpt, monkeypatch):
     assert llm.blocks.num_free == plan.num_blocks - 1 and llm.runner.cache is llm.cache
     out = llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=8))
     assert all(len(o.token_ids) == 8 for o in out)
+
+
+def test_budget_counts_a_separate_draft_model(toy):
+    """A drafter with its own model (draft_model=) adds its weights to the plan."""
+    llm = LLM(toy["target"], num_spec=3, draft_model=toy["other"], memory_budget=16 * MiB, **F64)
+    target = _bytes(list(llm.model.parameters()) + list(llm.model.buffers()))
+    draft = _bytes(list(llm.drafter.model.parameters()) + list(llm.drafter.model.buffers()))
+    assert draft > 0 and llm.memory_plan.weight_bytes == target + draft

@@ -73,9 +73,10 @@ def plan_pools(*, budget: int, weight_bytes: int, activation_bytes: int, activat
         need = weight_bytes + activation_bytes + state + kv_min
         raise ConfigError(
             f"the model cannot fit in {source}: budget {_gib(budget)}, but weights need {_gib(weight_bytes)}, "
-            f"activations {_gib(activation_bytes)} ({activation_source}), the state pool {_gib(state)} "
-            f"({num_slots or 0} slots of {bps} B: bundle={bundle} per request for max_num_seqs={max_num_seqs}, "
-            f"and the null slot) and the KV pool for one request at max_model_len={max_model_len} "
+            f"activations {_gib(activation_bytes)} ({activation_source}), "
+            + (f"the state pool {_gib(state)} ({num_slots} slots of {bps} B: bundle={bundle} per request for "
+               f"max_num_seqs={max_num_seqs}, and the null slot), " if num_slots else "")
+            + f"the KV pool for one request at max_model_len={max_model_len} "
             f"{_gib(kv_min)} ({1 + max_blocks} blocks of {bpb} B, the null block included): {_gib(need)} in all, "
             f"{_gib(need - budget)} short. Give a larger budget, or lower max_model_len, max_num_seqs or "
             "max_num_batched_tokens, or use an FP8 checkpoint or tensor parallelism")
@@ -128,14 +129,31 @@ def meta_model(family, cfg, *, path, load_format: str, device: torch.device, att
     return model
 
 
-def weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Bytes of the model's parameters once loaded: `dtype`, except what is kept as stored
+def meta_models(family, cfg, draft, *, path, **kwargs) -> list[torch.nn.Module]:
+    """The target (with what its drafter needs of it) and, for a drafter with its own model,
+    that model too: every model whose weights the device will hold, on the meta device.
+    `kwargs`: meta_model's, then the target's own keyword arguments."""
+    target_kwargs = draft.target_kwargs if draft else {}
+    models = [meta_model(family, cfg, path=path, **kwargs, **target_kwargs)]
+
+    def load(d_family, d_cfg, d_path, **kw):
+        models.append(meta_model(d_family, d_cfg, path=d_path, **kwargs, **kw))
+        return models[-1]
+    if draft is not None:
+        draft.build(models[0], load=load)
+    return models
+
+
+def weight_bytes(models: torch.nn.Module | list[torch.nn.Module], dtype: torch.dtype) -> int:
+    """Bytes of the models' parameters once loaded: `dtype`, except what is kept as stored
     (FP8 weights and their fp32 scales); buffers (RoPE tables) in fp32."""
     total = 0
-    for p in model.parameters():
-        kept = p.dtype == torch.float8_e4m3fn or getattr(p, "fp8_scale", False)
-        total += p.numel() * (p.dtype.itemsize if kept else dtype.itemsize)
-    return total + sum(b.numel() * b.dtype.itemsize for b in model.buffers())
+    for model in models if isinstance(models, list) else [models]:
+        for p in model.parameters():
+            kept = p.dtype == torch.float8_e4m3fn or getattr(p, "fp8_scale", False)
+            total += p.numel() * (p.dtype.itemsize if kept else dtype.itemsize)
+        total += sum(b.numel() * b.dtype.itemsize for b in model.buffers())
+    return total
 
 
 def activation_estimate(model: torch.nn.Module, *, tokens: int, logits_rows: int, vocab: int,
