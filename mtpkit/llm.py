@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import numbers
 import operator
+import sys
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -19,6 +20,7 @@ from .chat import load_chat_template, special_tokens
 from .config import EngineConfig, resolve_device, resolve_dtype
 from .detokenize import IncrementalDetokenizer
 from .engine.cache import BlockAllocator, SlotAllocator, allocate_cache
+from .engine import memory_plan
 from .engine.cache_spec import CacheSpec
 from .engine.request import Request, RequestOutput, SpecStats, Status
 from .engine.runner import ModelRunner
@@ -54,6 +56,7 @@ class LLM:
                  enforce_eager: bool = False, seed: int = 0, block_size: int = 16,
                  num_blocks: int | None = None, num_state_slots: int | None = None,
                  kv_cache_memory: int | None = None, state_cache_memory: int | None = None,
+                 gpu_memory_utilization: float | None = None, memory_budget: int | None = None,
                  max_num_batched_tokens: int = 2048,
                  graph_sizes: Sequence[int] | None = None,
                  cudagraph_capture_sizes: Sequence[int] | None = None,
@@ -68,7 +71,11 @@ class LLM:
         num_threads (CPU): torch's intra-op threads. None: 1 for models under 50M parameters,
         whose ops are too small to gain from threads and which slow down many times over when
         another process holds a core (threads wait on each other at every op); larger models keep
-        torch's default. It is process-wide (torch.set_num_threads)."""
+        torch's default. It is process-wide (torch.set_num_threads).
+        gpu_memory_utilization (CUDA; share of the device's memory) or memory_budget (bytes, any
+        device): size the KV and state pools from what is left after the weights and a step's
+        activations (engine/memory_plan.py), print the plan (llm.memory_plan), and refuse a model
+        that cannot fit before any weight is read."""
         if load_format not in ("safetensors", "dummy"):
             raise ConfigError(f"load_format={load_format!r} must be 'safetensors' or 'dummy'")
         path = resolve_model(model)
@@ -84,7 +91,8 @@ class LLM:
                         ("max_num_batched_tokens", max_num_batched_tokens), ("seed", seed),
                         ("max_model_len", max_model_len), ("num_blocks", num_blocks),
                         ("num_state_slots", num_state_slots), ("kv_cache_memory", kv_cache_memory),
-                        ("state_cache_memory", state_cache_memory), ("num_threads", num_threads)):
+                        ("state_cache_memory", state_cache_memory), ("num_threads", num_threads),
+                        ("memory_budget", memory_budget)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ConfigError(f"{name}={v!r} must be an int")
         if num_threads is not None and num_threads < 1:
@@ -125,6 +133,17 @@ class LLM:
         # else a memory budget over exactly those tensors, else enough for the workload.
         self.cache_spec = spec = model_cls.cache_spec(cfg, num_spec=num_spec, tp_size=tp.size) + (
             draft.cache_spec(tp.size) if draft else CacheSpec())
+        self.memory_plan = None
+        budget = memory_plan.budget_of(self.device, memory_budget, gpu_memory_utilization,
+                                       num_blocks=num_blocks, num_state_slots=num_state_slots,
+                                       kv_cache_memory=kv_cache_memory, state_cache_memory=state_cache_memory)
+        if budget is not None:  # the weights and a first plan before any weight is read
+            self._meta = memory_plan.meta_models(self.family, cfg, draft, path=path, load_format=load_format,
+                                                 device=self.device, attn_backend=attn_backend, tp=tp)
+            self.memory_plan = plan = self._plan_memory(budget, spec, activation_bytes=None)
+            num_blocks, num_state_slots = plan.num_blocks, plan.num_slots
+            if self.device.type == "cuda":  # a provisional KV pool for the profile run (one request)
+                num_blocks = 1 + ecfg.max_blocks
         if num_blocks is None:
             if kv_cache_memory is not None:
                 num_blocks = max(kv_cache_memory // spec.bytes_per_block(block_size, self.dtype), 0)
@@ -182,12 +201,8 @@ class LLM:
             error = e
         tp.raise_if_any_failed(error, "loading the model")
         self.drafter = drafter
-        self.blocks = BlockAllocator(num_blocks)
-        self.slots = SlotAllocator(num_state_slots, bundle)
-        dispatch = None if enforce_eager else self.capture_plan.dispatch
-        self.scheduler = Scheduler(ecfg, self.blocks, self.slots, dispatch)
-        self.runner = ModelRunner(self.model, drafter, self.cache, ecfg, self.device,
-                                  None if enforce_eager else self.capture_plan)
+        self._enforce_eager = enforce_eager
+        self._make_engine(num_blocks, num_state_slots)
         self.eos_token_ids = self.generation_defaults.eos_token_ids
         if self.device.type == "cpu":
             params = sum(p.numel() for p in self.model.parameters())
@@ -197,6 +212,51 @@ class LLM:
         self.seed = seed
         self._ids = itertools.count()
         self.stats = SpecStats(num_spec=num_spec)
+        if self.memory_plan is not None:
+            if self.device.type == "cuda":  # activations measured, then the pools at their planned sizes
+                self._resize_pools(budget)
+            del self._meta
+            print(self.memory_plan.summary(), file=sys.stderr, flush=True)
+
+    def _make_engine(self, num_blocks: int, num_state_slots: int | None) -> None:
+        ecfg = self.engine_config
+        self.blocks = BlockAllocator(num_blocks)
+        self.slots = SlotAllocator(num_state_slots, ecfg.bundle)
+        dispatch = None if self._enforce_eager else self.capture_plan.dispatch
+        self.scheduler = Scheduler(ecfg, self.blocks, self.slots, dispatch)
+        self.runner = ModelRunner(self.model, self.drafter, self.cache, ecfg, self.device,
+                                  None if self._enforce_eager else self.capture_plan)
+
+    def _plan_memory(self, budget: tuple[int, str], spec: CacheSpec, activation_bytes: int | None):
+        ecfg = self.engine_config
+        source = "measured" if activation_bytes is not None else "estimated"
+        if activation_bytes is None:
+            activation_bytes = memory_plan.activation_estimate(
+                self._meta[0], tokens=ecfg.max_num_batched_tokens, logits_rows=ecfg.max_num_seqs * ecfg.bundle,
+                vocab=self.model_config.vocab_size, dtype=self.dtype)
+        return memory_plan.plan_pools(
+            budget=budget[0], weight_bytes=memory_plan.weight_bytes(self._meta, self.dtype),
+            activation_bytes=activation_bytes, activation_source=source, spec=spec,
+            block_size=ecfg.block_size, dtype=self.dtype, max_blocks=ecfg.max_blocks, bundle=ecfg.bundle,
+            max_num_seqs=ecfg.max_num_seqs, max_model_len=ecfg.max_model_len, source=budget[1])
+
+    def _resize_pools(self, budget: tuple[int, str]) -> None:
+        """CUDA: a profile run (one prefill of max_num_batched_tokens tokens) measures the
+        activations' peak; the KV pool is then allocated at the size that leaves (the state
+        pool's size does not depend on it, so the capture plan stands)."""
+        ecfg = self.engine_config
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        self.score([0] * min(ecfg.max_num_batched_tokens, ecfg.max_model_len))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.memory_plan = plan = self._plan_memory(budget, self.cache_spec, activation_bytes=peak)
+        del self.cache, self.runner
+        torch.cuda.empty_cache()
+        self.cache = allocate_cache(self.cache_spec, num_blocks=plan.num_blocks, num_slots=plan.num_slots or 0,
+                                    block_size=ecfg.block_size, dtype=self.dtype, device=self.device)
+        self._make_engine(plan.num_blocks, plan.num_slots)
 
     # ---- inputs ---------------------------------------------------------------------
     def _tokens(self, prompt: Prompt, where: str) -> list[int]:

@@ -68,6 +68,10 @@ DIMS: dict[str, str] = {
     "conv_state_len": "conv state columns kept per slot: W - 1 + num_spec",
     "experts": "routed experts",
     "topk": "experts chosen per token",
+    "in_features": "input features of a linear layer (the reduced dim of x @ W^T)",
+    "out_features": "output features of a linear layer",
+    "in_groups": "block-scaled FP8: scale groups along in_features, ceil(in_features / block_k)",
+    "out_groups": "block-scaled FP8: scale groups along out_features, ceil(out_features / block_n)",
     # cache geometry
     "num_blocks": "paged-KV blocks in the pool (block 0 is the null block)",
     "block_size": "tokens per KV block",

@@ -25,12 +25,13 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from mtpkit.attn import triton_conv, triton_gdn, triton_paged  # noqa: E402
+from mtpkit.attn import fp8_matmul, triton_conv, triton_fp8_matmul, triton_gdn, triton_paged  # noqa: E402
 
 SM90_SHARED = 227 * 1024  # the most shared memory one block may use on sm_90
 H200_SMS = 132
 TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
-         torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+         torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
+         torch.float8_e4m3fn: "fp8e4nv"}
 
 
 def _arg_type(value) -> str:
@@ -70,7 +71,7 @@ def record(calls) -> list[tuple]:
     saved = (JITFunction.run, triton_paged._sm_count)
     JITFunction.run = fake_run
     triton_paged._sm_count = lambda device: H200_SMS
-    patched = [m for m in (triton_conv, triton_gdn, triton_paged) if hasattr(m, "use_reference")]
+    patched = [m for m in (triton_conv, triton_gdn, triton_paged, triton_fp8_matmul) if hasattr(m, "use_reference")]
     originals = [m.use_reference for m in patched]
     for m in patched:
         m.use_reference = kernel_path
@@ -121,6 +122,12 @@ def calls(dtype=torch.bfloat16, bundles=(1, 3, 4), prefill=True):
                            torch.zeros(R, nb, dtype=torch.int64), D ** -0.5, window, cap, ctx))
     if not prefill:
         return out
+    # block-scaled FP8 linear layers: Qwen3-Next-80B's o_proj (4096 -> 2048) at decode and prefill sizes
+    for M in (4, 2048):
+        xq, xs = fp8_matmul.quantize_activation(torch.zeros(M, 4096), 128)
+        wq, ws = torch.zeros(2048, 4096, dtype=torch.float8_e4m3fn), torch.ones(16, 32)
+        out.append(lambda xq=xq, xs=xs, wq=wq, ws=ws: triton_fp8_matmul.fp8_block_matmul(
+            xq, xs, wq, ws, (128, 128), dtype))
     T, R = 64, 2
     qsl = torch.tensor([0, 32, 64])
     out.append(lambda: triton_gdn.gated_delta_rule_prefill(

@@ -374,3 +374,41 @@ def test_triton_backend_refused_without_cuda_or_interpreter(kernels, monkeypatch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="attn_backend='torch'"):
         triton_backend.make_triton_backend()
+
+
+# ---- block-scaled FP8 matmul (mtpkit/attn/triton_fp8_matmul.py vs fp8_matmul.py) ----------
+
+
+@pytest.fixture(scope="module")
+def fp8_kernel():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    mod = importlib.import_module("mtpkit.attn.triton_fp8_matmul")
+    if DEVICE == "cpu" and not isinstance(mod._fp8_block_matmul_kernel, InterpretedFunction):
+        mod = importlib.reload(mod)  # decorated before TRITON_INTERPRET was set
+    assert (DEVICE == "cuda") != isinstance(mod._fp8_block_matmul_kernel, InterpretedFunction)
+    return mod
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,block", [(1, 256, 384, (128, 128)),     # decode: one token, whole blocks
+                                         (70, 200, 130, (128, 128)),    # partial blocks on both dims, BM tail
+                                         (5, 96, 80, (32, 16))])        # several small blocks
+def test_fp8_block_matmul(fp8_kernel, m, n, k, block, dtype):
+    from mtpkit.attn import fp8_matmul as ref
+
+    g = gen(11)
+    w = randn(g, n, k) * 0.1
+    wq, ws = ref.quantize(w, block)
+    x = randn(g, m, k).to(dtype)
+    xq, xs = ref.quantize_activation(x, block[1])
+    # the scales matter: a kernel reading the wrong block's scale is off by whole factors
+    ws = ws * (1 + torch.arange(ws.numel(), device=DEVICE).view(ws.shape) % 3)
+    got = fp8_kernel.fp8_block_matmul(xq, xs, wq, ws, block, dtype)
+    want = ref.fp8_block_matmul(xq, xs, wq, ws, block, dtype)
+    assert got.dtype == dtype and got.shape == (m, n)
+    torch.testing.assert_close(got.float(), want.float(), **out_tol(dtype))
+    # the entry point used by the linear layers: activation quantized, any leading dims
+    y = fp8_kernel.fp8_linear(x.view(1, m, k), wq, ws, block)
+    torch.testing.assert_close(y.float(), ref.fp8_linear_reference(x.view(1, m, k), wq, ws, block).float(),
+                               **out_tol(dtype))

@@ -51,12 +51,50 @@ class Linear(nn.Module):
             return read(full)
         return narrow(full, self.shard_dim, *self._part()).contiguous()
 
+    fp8_block: tuple[int, int] | None = None  # set by use_fp8: weight kept FP8 with block scales
+
+    def fp8_shardable(self, block: tuple[int, int]) -> bool:
+        """Whether this rank's slice is whole scale blocks (else the weight is dequantized)."""
+        if self.shard_dim is None or self.tp.size == 1:
+            return True
+        start, length = self._part()
+        b = block[self.shard_dim]
+        return start % b == 0 and (length % b == 0 or start + length == self.full_shape[self.shard_dim])
+
+    def use_fp8(self, block: tuple[int, int]) -> None:
+        """Keep the checkpoint's FP8 weight and its block scales (`weight_scale_inv`) and run
+        the block-scaled FP8 matmul (Triton on CUDA, its torch reference elsewhere). Called
+        before loading; the loader then reads the raw pair."""
+        self.fp8_block = block
+        out, inp = self.weight.shape
+        self.weight = nn.Parameter(torch.empty(out, inp, dtype=torch.float8_e4m3fn), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty(-(-out // block[0]), -(-inp // block[1])),
+                                             requires_grad=False)
+        self.weight_scale_inv.fp8_scale = True  # fp32 whatever the model dtype (memory planning)
+
+    def _scale_part(self, scale) -> torch.Tensor:
+        """This rank's scales, as fp32 (ue8m0 checkpoints store them as float8_e8m0fnu)."""
+        if self.shard_dim is None or self.tp.size == 1:
+            return read(scale).float()
+        start, length = self._part()
+        b = self.fp8_block[self.shard_dim]
+        return narrow(scale, self.shard_dim, start // b, -(-length // b)).float().contiguous()
+
     def checkpoint_specs(self, prefix: str) -> list[WeightSpec]:
         name = prefix + ".weight"
-        return [WeightSpec(self.weight, {name: self.full_shape}, lambda t: self.load_full(t[name]),
-                           lambda w: {name: w})]
+        spec = WeightSpec(self.weight, {name: self.full_shape}, lambda t: self.load_full(t[name]),
+                          lambda w: {name: w}, keep_dtype=self.fp8_block is not None)
+        if self.fp8_block is None:
+            return [spec]
+        sname, (bn, bk) = name + "_scale_inv", self.fp8_block
+        sshape = (-(-self.full_shape[0] // bn), -(-self.full_shape[1] // bk))
+        spec.sources[sname] = sshape  # read raw: the loader dequantizes a weight only without its scale
+        return [spec, WeightSpec(self.weight_scale_inv, {sname: sshape}, lambda t: self._scale_part(t[sname]),
+                                 lambda s: {sname: s}, keep_dtype=True)]
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fp8_block is not None:
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8_block)
         return linear(x, self.weight)
 
 
@@ -72,7 +110,7 @@ class RowParallelLinear(Linear):
     shard_dim = 1
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.tp.all_reduce(linear(x, self.weight))
+        return self.tp.all_reduce(super().forward(x))
 
 
 class KVParallelLinear(ColumnParallelLinear):
@@ -149,6 +187,25 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     goes to torch.mm on w's transposed view: the same BLAS product with less dispatch than
     F.linear's (bit-identical; in a traced graph w.t() of a weight is folded to a constant)."""
     return torch.mm(x, w.t()) if x.dim() == 2 else F.linear(x, w)
+
+
+def fp8_linear(x: Tensor, wq: Tensor, scale: Tensor, block: tuple[int, int]) -> Tensor:
+    """x @ W^T for a block-scaled FP8 weight: the Triton kernel on CUDA, its torch reference
+    elsewhere (imported lazily: a CPU install has no Triton)."""
+    if x.device.type == "cuda" and _triton_fp8() is not None:
+        return _triton_fp8()(x, wq, scale, block)
+    from ..attn.fp8_matmul import fp8_linear_reference
+    return fp8_linear_reference(x, wq, scale, block)
+
+
+def _triton_fp8():
+    """The Triton FP8 linear, or None without Triton (a CUDA install without the gpu extra runs
+    the torch reference, as the attention backends do)."""
+    try:
+        from ..attn.triton_fp8_matmul import fp8_linear as kernel
+    except ImportError:
+        return None
+    return kernel
 
 
 def _float(x: Tensor) -> Tensor:

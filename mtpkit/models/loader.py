@@ -16,6 +16,9 @@ from safetensors import safe_open
 from torch import nn
 
 from ..errors import CheckpointError
+from .fp8 import FP8_HEADER, Dequantized, FP8Format, pair_scales
+from .layers import ColumnParallelLinear, KVParallelLinear, Linear, RowParallelLinear
+from .moe import SparseMoE
 from .weights import WeightSpec, read
 
 
@@ -59,7 +62,8 @@ def checkpoint_index(path: Path) -> dict[str, Path]:
     raise CheckpointError(f"{path} holds neither model.safetensors nor model.safetensors.index.json")
 
 
-def _shapes(index: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+def _shapes(index: dict[str, Path], dtypes: dict | None = None) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape from the headers (and, into `dtypes`, its header dtype name)."""
     shapes, by_file = {}, {}
     for name, f in index.items():
         by_file.setdefault(f, []).append(name)
@@ -71,7 +75,10 @@ def _shapes(index: dict[str, Path]) -> dict[str, tuple[int, ...]]:
             for n in names:
                 if n not in present:
                     raise CheckpointError(f"the index maps {n} to {f.name}, which does not contain it")
-                shapes[n] = tuple(fh.get_slice(n).get_shape())
+                sl = fh.get_slice(n)
+                shapes[n] = tuple(sl.get_shape())
+                if dtypes is not None:
+                    dtypes[n] = sl.get_dtype()
     return shapes
 
 
@@ -116,12 +123,65 @@ def export_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def checkpoint_fp8(path: Path) -> FP8Format | None:
+    """The checkpoint's FP8 format (config.json quantization_config), None if unquantized."""
+    f = path / "config.json"
+    return FP8Format.from_config(json.loads(f.read_text()), str(f)) if f.exists() else None
+
+
+def fp8_weights(path: Path) -> tuple[FP8Format, dict[str, str]] | None:
+    """(format, FP8 weight name -> scale name) of an FP8 checkpoint, from config.json and the
+    headers alone; None when it is not quantized."""
+    fmt = checkpoint_fp8(path)
+    if fmt is None:
+        return None
+    dtypes: dict[str, str] = {}
+    shapes = _shapes(checkpoint_index(path), dtypes)
+    return fmt, pair_scales(fmt, shapes, dtypes, str(path))
+
+
+def keep_fp8_linears(model: nn.Module, fmt: FP8Format, fp8_weights) -> list[str]:
+    """Switch every plain linear layer and MoE block whose checkpoint weights are FP8 (and
+    whose shards are whole scale blocks) to FP8 mode; the others (merged projections, the
+    MoE's router and shared-expert gate/up rows, layers in modules_to_not_convert) are
+    dequantized when loaded. Returns the modules switched."""
+    kept = []
+    if fmt.block is None:
+        return kept
+    for mname, m in model.named_modules():
+        prefix = model.checkpoint_name(mname)
+        if type(m) in (Linear, ColumnParallelLinear, RowParallelLinear, KVParallelLinear):
+            fp8 = prefix + ".weight" in fp8_weights
+        elif isinstance(m, SparseMoE):  # every expert stored per expert in FP8 (not fused)
+            fp8 = all(f"{prefix}.experts.{e}.{p}_proj.weight" in fp8_weights
+                      for e in range(m.num_experts) for p in ("gate", "up", "down")) and (
+                not m.s or f"{prefix}.shared_expert.down_proj.weight" in fp8_weights)
+        else:
+            continue
+        if fp8 and m.fp8_shardable(fmt.block):
+            m.use_fp8(fmt.block)
+            kept.append(mname)
+    return kept
+
+
 def load_checkpoint(model: nn.Module, path: str | Path, dtype: torch.dtype,
-                    device: torch.device) -> None:
-    """Check every name and shape, then load every parameter as `dtype` on `device`."""
+                    device: torch.device, keep_fp8: bool | None = None) -> None:
+    """Check every name and shape, then load every parameter as `dtype` on `device`.
+
+    FP8 checkpoints: `keep_fp8` (default: on CUDA) keeps the plain linear layers' FP8
+    weights and scales and runs them through the block-scaled FP8 matmul; every other FP8
+    tensor (all of them when keep_fp8 is off, as on CPU) is dequantized to `dtype` here."""
     path = Path(path)
     index = checkpoint_index(path)
-    shapes = _shapes(index)
+    dtypes: dict[str, str] = {}
+    shapes = _shapes(index, dtypes)
+    fmt = checkpoint_fp8(path)
+    if fmt is None and FP8_HEADER in dtypes.values():
+        raise CheckpointError(f"checkpoint {path} holds float8_e4m3fn tensors but its config.json has no "
+                              "quantization_config (quant_method 'fp8', weight_block_size); add it")
+    fp8_pairs = pair_scales(fmt, shapes, dtypes, str(path)) if fmt else {}
+    if fp8_pairs and (device.type == "cuda" if keep_fp8 is None else keep_fp8):
+        keep_fp8_linears(model, fmt, fp8_pairs)
     # Other layouts of the same tensors a model can read (e.g. fused experts): name -> (stored, cut).
     aliases = model.checkpoint_aliases(shapes) if hasattr(model, "checkpoint_aliases") else {}
     specs = weight_specs(model)
@@ -138,7 +198,8 @@ def load_checkpoint(model: nn.Module, path: str | Path, dtype: torch.dtype,
     misshapen = [(n, expected[n], found_shape(n)) for n in expected
                  if n not in missing and found_shape(n) != tuple(expected[n])]
     ignorable = model.ignored_checkpoint_prefixes() if hasattr(model, "ignored_checkpoint_prefixes") else ()
-    unexpected = [n for n in shapes if n not in expected and n not in used_fused
+    scales = set(fp8_pairs.values())  # read with their weights (expected by name only in FP8 mode)
+    unexpected = [n for n in shapes if n not in expected and n not in used_fused and n not in scales
                   and not n.startswith(ignorable)]
     if missing or misshapen or unexpected:
         lines = [f"checkpoint {path} does not match the model config:"]
@@ -150,12 +211,17 @@ def load_checkpoint(model: nn.Module, path: str | Path, dtype: torch.dtype,
     handles: dict[Path, object] = {}
     cache: dict[str, torch.Tensor] = {}
 
-    def load(n):  # nothing is read from the file until a spec narrows or reads it
+    def stored(n):
+        f = index[n]
+        if f not in handles:
+            handles[f] = _open(f)
+        return Stored(handles[f].get_slice(n))
+
+    def load(n, raw=False):  # nothing is read from the file until a spec narrows or reads it
+        if n in fp8_pairs and not raw:
+            return Dequantized(stored(n), stored(fp8_pairs[n]), fmt.block)
         if n in shapes:
-            f = index[n]
-            if f not in handles:
-                handles[f] = _open(f)
-            return Stored(handles[f].get_slice(n))
+            return stored(n)
         src, fn = aliases[n]
         if src not in cache:
             cache[src] = read(load(src))
@@ -163,8 +229,10 @@ def load_checkpoint(model: nn.Module, path: str | Path, dtype: torch.dtype,
 
     with torch.no_grad():
         for spec in specs:
-            value = read(spec.assemble({n: load(n) for n in spec.sources}))
-            spec.param.data = value.to(dtype=dtype, device=device).contiguous()
+            # A spec that names a weight's scale reads the raw FP8 pair (a layer in FP8 mode).
+            value = read(spec.assemble({n: load(n, raw=fmt is not None and fmt.scale_name(n) in spec.sources)
+                                        for n in spec.sources}))
+            spec.param.data = value.to(dtype=None if spec.keep_dtype else dtype, device=device).contiguous()
     handles.clear()
     for buf in model.buffers():  # RoPE frequencies stay fp32
         buf.data = buf.data.to(device)

@@ -33,7 +33,8 @@ from torch import nn
 
 from ..parallel import TP
 from ..shapes import Float, Int, Tensor, checked
-from .layers import linear
+from ..attn.fp8_matmul import dequantize
+from .layers import fp8_linear, linear
 from .weights import WeightSpec, narrow, read, shard_range
 
 
@@ -52,6 +53,71 @@ class SparseMoE(nn.Module):
         self.w_in = nn.Parameter(torch.empty(num_experts + self.s + 2 * S, hidden), requires_grad=False)
         self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * intermediate, hidden), requires_grad=False)
         self.w_out = nn.Parameter(torch.empty(hidden, S + self.num_local * intermediate), requires_grad=False)
+
+    # ---- FP8 (CUDA): the experts' weights kept as stored, with their block scales ------------
+    fp8_block: tuple[int, int] | None = None
+
+    def fp8_shardable(self, block: tuple[int, int]) -> bool:
+        """Whether w13 and w_out can be cut from the checkpoint's blocks: each expert's gate and
+        up rows whole row blocks, and the down weights' columns (shared slice, then every
+        expert's) whole column blocks."""
+        bn, bk = block
+        s0, sl = self.shared_range
+        return self.inter % bn == 0 and self.inter % bk == 0 and s0 % bk == 0 and sl % bk == 0
+
+    def use_fp8(self, block: tuple[int, int]) -> None:
+        """Keep w13 and w_out in FP8 with their scales (w13_scale [local, 2I/bn, ceil(H/bk)],
+        w_out_scale [ceil(H/bn), (S + local*I)/bk]); w_in (router, shared gate and up rows)
+        stays dequantized. Called before loading."""
+        bn, bk = block
+        self.fp8_block = block
+        nl, I, H, cols = self.num_local, self.inter, self.hidden, self.w_out.shape[1]
+        fp8 = torch.float8_e4m3fn
+        self.w13 = nn.Parameter(torch.empty(nl, 2 * I, H, dtype=fp8), requires_grad=False)
+        self.w13_scale = nn.Parameter(torch.empty(nl, 2 * I // bn, -(-H // bk)), requires_grad=False)
+        self.w_out = nn.Parameter(torch.empty(H, cols, dtype=fp8), requires_grad=False)
+        self.w_out_scale = nn.Parameter(torch.empty(-(-H // bn), cols // bk), requires_grad=False)
+        self.w13_scale.fp8_scale = self.w_out_scale.fp8_scale = True  # fp32 whatever the model dtype
+
+    def _fp8_specs(self, prefix: str) -> list[WeightSpec]:
+        """w13, w_out and their scales from the raw FP8 pairs (the loader gives a spec that
+        names a weight's scale the raw weight)."""
+        E, I, H, S = self.num_experts, self.inter, self.hidden, self.shared_inter
+        bn, bk = self.fp8_block
+        mine = range(self.first, self.first + self.num_local)
+        ex, sd = prefix + ".experts", f"{prefix}.shared_expert.down_proj.weight"
+        gates = [f"{ex}.{e}.gate_proj.weight" for e in range(E)]
+        ups = [f"{ex}.{e}.up_proj.weight" for e in range(E)]
+        downs = [f"{ex}.{e}.down_proj.weight" for e in range(E)]
+        sc = lambda n: n + "_scale_inv"  # noqa: E731
+        s0, sl = self.shared_range
+        gh, gi = -(-H // bk), I // bk
+        w13_src = {n: (I, H) for n in gates + ups} | {sc(n): (I // bn, gh) for n in gates + ups}
+        out_src = ({n: (H, I) for n in downs} | {sc(n): (-(-H // bn), gi) for n in downs}
+                   | ({sd: (H, S), sc(sd): (-(-H // bn), S // bk)} if self.s else {}))
+
+        def stack13(t, suffix):  # scales as fp32 (ue8m0 checkpoints store float8_e8m0fnu)
+            w = torch.stack([torch.cat([read(t[gates[e] + suffix]), read(t[ups[e] + suffix])]) for e in mine])
+            return w.float() if suffix else w
+
+        def cat_out(t, suffix, div):
+            shared = [narrow(t[sd + suffix], 1, s0 // div, sl // div)] if self.s else []
+            w = torch.cat(shared + [read(t[downs[e] + suffix]) for e in mine], dim=1)
+            return w.float() if suffix else w
+
+        def export_unsupported(_):
+            raise ValueError("export_state_dict of FP8-kept experts is not supported: load with keep_fp8=False")
+
+        return [WeightSpec(self.w13, w13_src, lambda t: stack13(t, ""), export_unsupported, keep_dtype=True),
+                WeightSpec(self.w13_scale, {n: w13_src[n] for n in w13_src if n.endswith("_scale_inv")},
+                           lambda t: stack13(t, "_scale_inv"), export_unsupported, keep_dtype=True),
+                WeightSpec(self.w_out, out_src, lambda t: cat_out(t, "", 1), export_unsupported, keep_dtype=True),
+                WeightSpec(self.w_out_scale, {n: out_src[n] for n in out_src if n.endswith("_scale_inv")},
+                           lambda t: cat_out(t, "_scale_inv", bk), export_unsupported, keep_dtype=True)]
+
+    def _lin(self, x: Tensor, w: Tensor, scale: Tensor | None) -> Tensor:
+        """x @ w^T, through the block-scaled FP8 matmul when the weight is kept in FP8."""
+        return linear(x, w) if self.fp8_block is None else fp8_linear(x, w, scale, self.fp8_block)
 
     # ---- checkpoint layout ----------------------------------------------------------------
     def checkpoint_specs(self, prefix: str) -> list[WeightSpec]:
@@ -92,6 +158,8 @@ class SparseMoE(nn.Module):
             keys = ([sd] if s else []) + [downs[e] for e in mine]
             return dict(zip(keys, w.split(([sl] if s else []) + [I] * self.num_local, dim=1)))
 
+        if self.fp8_block is not None:
+            return [WeightSpec(self.w_in, src_in, assemble_in, export_in)] + self._fp8_specs(prefix)
         return [WeightSpec(self.w_in, src_in, assemble_in, export_in),
                 WeightSpec(self.w13, {n: (I, H) for n in gates + ups}, assemble_13, export_13),
                 WeightSpec(self.w_out, {n: (H, I) for n in downs} | ({sd: (H, S)} if s else {}),
@@ -155,12 +223,13 @@ class SparseMoE(nn.Module):
         T, E, nl, I = x.shape[0], self.num_experts, self.num_local, self.inter
         weights, experts = self.route(h[:, :E])
         gate = torch.zeros(T, E, dtype=x.dtype, device=x.device).scatter(1, experts, weights)
-        gu = linear(x, self.w13.view(nl * 2 * I, -1)).view(T, nl, 2, I)
+        s13 = None if self.fp8_block is None else self.w13_scale.view(-1, self.w13_scale.shape[-1])
+        gu = self._lin(x, self.w13.view(nl * 2 * I, -1), s13).view(T, nl, 2, I)
         act = F.silu(gu[:, :, 0]) * gu[:, :, 1] * gate[:, self.first:self.first + nl, None]   # [T, nl, I]
         act = act.reshape(T, nl * I)
         if self.s:
             act = torch.cat([self._shared_act(h), act], dim=1)
-        return linear(act, self.w_out)
+        return self._lin(act, self.w_out, getattr(self, "w_out_scale", None))
 
     def _sparse(self, x: Float[Tensor, "num_tokens hidden"], h: Float[Tensor, "num_tokens _"]
                 ) -> Float[Tensor, "num_tokens hidden"]:
@@ -170,12 +239,20 @@ class SparseMoE(nn.Module):
         weights, experts = self.route(h[:, :E])
         local, weights = self._local(experts, weights)
         xs = x.repeat_interleave(K, dim=0)[:, :, None]                              # [T*K, H, 1]
-        g, u = torch.matmul(self.w13.index_select(0, local), xs).chunk(2, dim=1)    # [T*K, I, 1]
-        act = F.silu(g) * u * weights.reshape(T * K, 1, 1)
+        w13 = self.w13.index_select(0, local)
         # Expert e's down columns as an [I, H] block (contiguous when w_out is column-major).
         down = self.w_out[:, S:].T.view(self.num_local, I, H).index_select(0, local)
+        shared_scale = None
+        if self.fp8_block is not None:  # the chosen experts' blocks only, dequantized
+            bn, bk = self.fp8_block
+            w13 = dequantize(w13, self.w13_scale.index_select(0, local), self.fp8_block, x.dtype)
+            ds = self.w_out_scale[:, S // bk:].T.view(self.num_local, I // bk, -1).index_select(0, local)
+            down = dequantize(down, ds, (bk, bn), x.dtype)
+            shared_scale = self.w_out_scale[:, :S // bk]
+        g, u = torch.matmul(w13, xs).chunk(2, dim=1)                                 # [T*K, I, 1]
+        act = F.silu(g) * u * weights.reshape(T * K, 1, 1)
         out = torch.matmul(act.transpose(1, 2), down).view(T, K, H).sum(1)         # [T, H]
-        return out + linear(self._shared_act(h), self.w_out[:, :S]) if self.s else out
+        return out + self._lin(self._shared_act(h), self.w_out[:, :S], shared_scale) if self.s else out
 
     def _grouped(self, x: Float[Tensor, "num_tokens hidden"], h: Float[Tensor, "num_tokens _"]
                  ) -> Float[Tensor, "num_tokens hidden"]:
@@ -193,10 +270,16 @@ class SparseMoE(nn.Module):
             local = e - self.first
             if c == 0 or not 0 <= local < self.num_local:  # not routed here, or another rank's
                 continue
-            g, u = linear(x[tok], self.w13[local]).chunk(2, dim=-1)
-            down = self.w_out[:, S + local * I:S + (local + 1) * I]
-            out.index_add_(0, tok, linear(F.silu(g) * u * weights.flatten()[idx, None], down))
-        return out + linear(self._shared_act(h), self.w_out[:, :S]) if self.s else out
+            cols = slice(S + local * I, S + (local + 1) * I)
+            s13 = sdown = None
+            if self.fp8_block is not None:
+                bk = self.fp8_block[1]
+                s13, sdown = self.w13_scale[local], self.w_out_scale[:, cols.start // bk:cols.stop // bk]
+            g, u = self._lin(x[tok], self.w13[local], s13).chunk(2, dim=-1)
+            down = self.w_out[:, cols]
+            out.index_add_(0, tok, self._lin(F.silu(g) * u * weights.flatten()[idx, None], down, sdown))
+        shared_scale = None if self.fp8_block is None else self.w_out_scale[:, :S // self.fp8_block[1]]
+        return out + self._lin(self._shared_act(h), self.w_out[:, :S], shared_scale) if self.s else out
 
 
 def fused_expert_aliases(shapes: dict, num_experts: int, intermediate: int) -> dict:

@@ -22,6 +22,7 @@ class WeightSpec:
     sources: dict[str, tuple[int, ...]]                   # checkpoint name -> expected full shape
     assemble: Callable[[dict], torch.Tensor]              # full (maybe unread) tensors -> param
     export: Callable[[torch.Tensor], dict[str, torch.Tensor]]  # param (one rank) -> tensors
+    keep_dtype: bool = False   # loaded as stored (FP8 weights and their fp32 scales), not cast
 
 
 def read(x) -> torch.Tensor:
