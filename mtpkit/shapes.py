@@ -68,6 +68,8 @@ DIMS: dict[str, str] = {
     "conv_state_len": "conv state columns kept per slot: W - 1 + num_spec",
     "experts": "routed experts",
     "topk": "experts chosen per token",
+    "layers": "decoder layers of the model (Gemma 4's per-layer inputs, one slice per layer)",
+    "ple_dim": "Gemma 4 per-layer embedding width (hidden_size_per_layer_input)",
     # cache geometry
     "num_blocks": "paged-KV blocks in the pool (block 0 is the null block)",
     "block_size": "tokens per KV block",

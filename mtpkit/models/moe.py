@@ -121,6 +121,8 @@ class SparseMoE(nn.Module):
     # one process against each other); with hundreds of experts a decode step reads a
     # hundredth of the weights.
     sparse_share: int = 8
+    # The experts' activation (Gemma 4's experts use gelu-tanh).
+    act = staticmethod(F.silu)
 
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens hidden"]:
@@ -158,7 +160,7 @@ class SparseMoE(nn.Module):
         weights, experts = self.route(h[:, :E])
         gate = torch.zeros(T, E, dtype=x.dtype, device=x.device).scatter(1, experts, weights)
         gu = linear(x, self.w13.view(nl * 2 * I, -1)).view(T, nl, 2, I)
-        act = F.silu(gu[:, :, 0]) * gu[:, :, 1] * gate[:, self.first:self.first + nl, None]   # [T, nl, I]
+        act = self.act(gu[:, :, 0]) * gu[:, :, 1] * gate[:, self.first:self.first + nl, None]   # [T, nl, I]
         act = act.reshape(T, nl * I)
         if self.s:
             act = torch.cat([self._shared_act(h), act], dim=1)
@@ -173,7 +175,7 @@ class SparseMoE(nn.Module):
         local, weights = self._local(experts, weights)
         xs = x.repeat_interleave(K, dim=0)[:, :, None]                              # [T*K, H, 1]
         g, u = torch.matmul(self.w13.index_select(0, local), xs).chunk(2, dim=1)    # [T*K, I, 1]
-        act = F.silu(g) * u * weights.reshape(T * K, 1, 1)
+        act = self.act(g) * u * weights.reshape(T * K, 1, 1)
         # Expert e's down columns as an [I, H] block (contiguous when w_out is column-major).
         down = self.w_out[:, S:].T.view(self.num_local, I, H).index_select(0, local)
         out = torch.matmul(act.transpose(1, 2), down).view(T, K, H).sum(1)         # [T, H]
@@ -197,7 +199,7 @@ class SparseMoE(nn.Module):
                 continue
             g, u = linear(x[tok], self.w13[local]).chunk(2, dim=-1)
             down = self.w_out[:, S + local * I:S + (local + 1) * I]
-            out.index_add_(0, tok, linear(F.silu(g) * u * weights.flatten()[idx, None], down))
+            out.index_add_(0, tok, linear(self.act(g) * u * weights.flatten()[idx, None], down))
         return out + linear(self._shared_act(h), self.w_out[:, :S]) if self.s else out
 
 
