@@ -318,6 +318,7 @@ class Gemma4ForCausalLM(nn.Module):
             self.embed_tokens_per_layer = VocabParallelTable(cfg.vocab_size_per_layer_input, L * self.ple_dim, tp)
             self.per_layer_model_projection = Linear(H, L * self.ple_dim, tp)   # replicated
             self.per_layer_projection_norm = GemmaRMSNorm(self.ple_dim, cfg.rms_norm_eps)
+        self._rounded_scales(torch.float32)
 
     # ---- what the engine reads before building the model (config.json alone) ----------
     check_tensor_parallel = staticmethod(check_tensor_parallel)
@@ -339,7 +340,9 @@ class Gemma4ForCausalLM(nn.Module):
 
     def set_weight_layout(self, device: torch.device) -> None:
         """On CPU every matrix that only multiplies is stored column-major (as Qwen3-Next's,
-        see there); embedding tables, gathered by rows, stay row-major."""
+        see there); embedding tables, gathered by rows, stay row-major. Also fixes the
+        embedding scales for the loaded dtype."""
+        self._rounded_scales(self.embed_tokens.dtype)
         if device.type != "cpu":
             return
         for name, p in self.named_parameters():
@@ -358,21 +361,25 @@ class Gemma4ForCausalLM(nn.Module):
         return None
 
     # ---- forward -------------------------------------------------------------------------
-    def _scaled(self, x: Tensor, scale: float) -> Tensor:
+    def _rounded_scales(self, dtype: torch.dtype) -> None:
         # transformers multiplies by an fp32 scalar cast to the weight dtype (sqrt(3072) is
-        # 55.5 in bf16): the same rounding here.
-        return x * torch.tensor(scale, dtype=torch.float32).to(x.dtype).item()
+        # 55.5 in bf16): the same rounding here, as Python floats fixed once the dtype is
+        # known (a traced graph cannot read a tensor's value).
+        def rounded(scale):
+            return torch.tensor(scale, dtype=torch.float32).to(dtype).item()
+        self.embed_scale = rounded(self.cfg.hidden_size ** 0.5)
+        self.ple_scale = rounded(self.ple_dim ** 0.5)
 
     @checked
     def embed(self, token_ids: Int[Tensor, "num_tokens"]) -> Float[Tensor, "num_tokens hidden"]:
-        return self._scaled(vocab_parallel_embedding(token_ids, self.embed_tokens, self.tp), self.cfg.hidden_size ** 0.5)
+        return vocab_parallel_embedding(token_ids, self.embed_tokens, self.tp) * self.embed_scale
 
     @checked
     def per_layer_inputs(self, token_ids: Int[Tensor, "num_tokens"], x0: Float[Tensor, "num_tokens hidden"]
                          ) -> Float[Tensor, "num_tokens layers ple_dim"]:
         """(RMSNorm(x0 W_pm^T * H^-0.5) + E_ple[ids] * sqrt(Dp)) * 2^-0.5, per layer."""
         T, L, Dp = token_ids.shape[0], self.cfg.num_hidden_layers, self.ple_dim
-        tok = self._scaled(self.embed_tokens_per_layer(token_ids), Dp ** 0.5).view(T, L, Dp)
+        tok = (self.embed_tokens_per_layer(token_ids) * self.ple_scale).view(T, L, Dp)
         proj = self.per_layer_projection_norm((self.per_layer_model_projection(x0) * self.cfg.hidden_size ** -0.5)
                                               .view(T, L, Dp))
         return (proj + tok) * 2.0 ** -0.5
