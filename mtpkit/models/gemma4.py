@@ -366,7 +366,7 @@ class Gemma4ForCausalLM(nn.Module):
         # 55.5 in bf16): the same rounding here, as Python floats fixed once the dtype is
         # known (a traced graph cannot read a tensor's value).
         def rounded(scale):
-            return torch.tensor(scale, dtype=torch.float32).to(dtype).item()
+            return torch.tensor(scale, dtype=torch.float32, device="cpu").to(dtype).item()
         self.embed_scale = rounded(self.cfg.hidden_size ** 0.5)
         self.ple_scale = rounded(self.ple_dim ** 0.5)
 
