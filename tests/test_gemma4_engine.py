@@ -87,3 +87,33 @@ def test_tp2_equals_tp1(checkpoints, tp2, name):
         assert r0["kv_heads"] == 1                # the full layers' single KV head, replicated
     if name == "moe":
         assert r0["experts"] == 4                 # 8 experts, whole experts per rank
+
+
+def test_preemption_sampling_streaming_and_debug_mode(checkpoints):
+    """On the E2B-like model (per-layer embeddings, KV-shared layers): a KV pool that holds two
+    sequences at most preempts and recomputes without changing greedy or seeded sampled output;
+    streaming yields the generated tokens; debug mode checks every typed boundary and gives the
+    same tokens."""
+    import mtpkit
+    path = checkpoints / "e2b"
+    prompts = [O.random_prompt(30 + i, 128, seed=60 + i) for i in range(4)]
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, seed=5)
+    big = LLM(path, dtype="float64", device="cpu", max_model_len=64, max_num_seqs=4)
+    modes = {"greedy": greedy, "sampled": sampled}
+    ref = {m: [o.token_ids for o in big.generate(prompts, p)] for m, p in modes.items()}
+    tight = LLM(path, dtype="float64", device="cpu", max_model_len=64, max_num_seqs=4, num_blocks=1 + 4 + 2)
+    for m, p in modes.items():
+        outs = tight.generate(prompts, p)
+        assert [o.token_ids for o in outs] == ref[m], m
+        assert sum(o.num_preemptions for o in outs) > 0, "the pool was meant to force preemption"
+    assert ref["sampled"] != ref["greedy"]
+    streamed = {}
+    for ev in big.stream(prompts[:2], greedy):
+        streamed.setdefault(ev.index, []).extend(ev.new_token_ids)
+    assert [streamed[0], streamed[1]] == ref["greedy"][:2]
+    with mtpkit.debug() as trace:
+        dbg = LLM(path, dtype="float64", device="cpu", max_model_len=64, max_num_seqs=4)
+        assert [o.token_ids for o in dbg.generate(prompts[:2], greedy)] == ref["greedy"][:2]
+    called = set(trace.functions())
+    assert {"per_layer_inputs", "compute_logits"} <= {f.rsplit(".", 1)[-1] for f in called}, sorted(called)
