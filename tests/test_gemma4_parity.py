@@ -102,3 +102,24 @@ def test_greedy_matches_hf_batch_and_one_by_one(name, checkpoints):
             if key not in checked:
                 checked[key] = O.check_greedy_against_hf(model, p, ours)
             assert checked[key].ok, f"{name} prompt of {len(p)}: {checked[key]}"
+
+
+@pytest.mark.parametrize("path_", ["grouped", "sparse"])
+def test_moe_execution_paths_match_hf(checkpoints, monkeypatch, path_):
+    """The MoE layer's other two execution paths (the tests above take the dense one): the
+    grouped loop over the experts hit (prefill of many tokens) and the gather of the chosen
+    experts (decode steps choosing few of many experts), forced by their thresholds."""
+    from mtpkit.models.gemma4 import Gemma4Experts
+    model, path = checkpoints("moe")
+    if path_ == "grouped":
+        monkeypatch.setattr(Gemma4Experts, "dense_limit", 0)
+    else:
+        monkeypatch.setattr(Gemma4Experts, "sparse_share", 1)    # 1 token x top-2 <= 8 experts
+    llm = _llm(path)
+    ids = _prompt(40, 11)
+    ref, ours = G.hf_logits(model, ids), _score(llm, ids)
+    assert ((ours - ref).abs().amax(-1) / ref.abs().amax(-1)).max() < REL_TOL
+    prompt = _prompt(7, 14)
+    tokens = llm.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids
+    report = O.check_greedy_against_hf(model, prompt, tokens)
+    assert report.ok, str(report)
