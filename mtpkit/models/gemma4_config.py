@@ -183,7 +183,8 @@ class Gemma4Config:
                         kv_heads[i] = int(gkv)
         else:
             if not isinstance(plc, dict):
-                problems.append(f"per_layer_config must be an object {{layer index: overrides}}, got {type(plc).__name__}")
+                problems.append("per_layer_config must be an object {layer index: overrides}, "
+                                f"got {type(plc).__name__}")
                 return tuple(head_dims), tuple(kv_heads)
             for key, over in plc.items():
                 try:
