@@ -8,6 +8,10 @@
    engine built and run in debug mode (shapes checked at capture and when buffers are
    filled) and the last rows of its shape trace.
 3. Decode step latency, CUDA graphs vs eager, bf16, at batch 1, 8, 32.
+4. Gemma 4 at real widths (31B and 26B-A4B by default, --gemma-layers layers: sliding layers
+   and the last one full), random weights: fp32 CUDA graphs vs enforce_eager tokens at the
+   token-check batches (num_spec 0: Gemma 4 drafts only with its assistant, a later issue),
+   then bf16 verify-step latency, graphs vs eager, at the latency batches.
 
     python benchmarks/gpu_check.py [--layers 4] [--experts 512] [--max-tokens 16]
 
@@ -166,6 +170,59 @@ def latency(path, args) -> None:
         torch.cuda.empty_cache()
 
 
+def gemma4_config(name: str, layers: int, vocab: int | None) -> dict:
+    """tests/gemma4_shapes.py's real widths, `layers` layers (the last full, the rest
+    sliding; KV-shared variants share the last half)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import gemma4_shapes
+    raw = dict(gemma4_shapes.REAL[name], num_hidden_layers=layers,
+               layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"])
+    if raw.get("num_kv_shared_layers"):
+        raw["num_kv_shared_layers"] = layers // 2
+        raw["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if vocab:
+        raw["vocab_size"] = vocab
+        if raw.get("hidden_size_per_layer_input"):
+            raw["vocab_size_per_layer_input"] = vocab
+    return raw
+
+
+def check_gemma4(args) -> bool:
+    import torch
+    from mtpkit import LLM
+
+    ok = True
+    for name in args.gemma_variants:
+        path = Path(tempfile.mkdtemp()) / f"gemma4-{name}"
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(gemma4_config(name, args.gemma_layers, args.gemma_vocab)))
+        print(f"\n== 4. Gemma 4 {name} widths, {args.gemma_layers} layers, random weights ==", flush=True)
+        common = dict(dtype="float32", max_num_seqs=max(args.token_batches), max_model_len=2048,
+                      load_format="dummy", seed=0, device=args.device)
+        eager, graph = LLM(path, enforce_eager=True, **common), LLM(path, **common)
+        for b in args.token_batches:
+            te, _ = run(eager, prompts_for(b), args.max_tokens)
+            tg, _ = run(graph, prompts_for(b), args.max_tokens)
+            same = te == tg
+            ok &= same
+            print(f"fp32 batch={b:>2}: graphs vs eager same tokens {same}"
+                  + ("" if same else f"; first difference {first_difference(te, tg)}"), flush=True)
+        del eager, graph
+        gc.collect()
+        torch.cuda.empty_cache() if args.device == "cuda" else None
+        common.update(dtype="bfloat16", max_num_seqs=max(args.batches))
+        eager, graph = LLM(path, enforce_eager=True, **common), LLM(path, **common)
+        print(f"{'batch':>5} {'eager ms/step':>13} {'graph ms/step':>13} {'speedup':>7}")
+        for b in args.batches:
+            _, le = run(eager, prompts_for(b), args.max_tokens)
+            _, lg = run(graph, prompts_for(b), args.max_tokens)
+            print(f"{b:>5} {le:>13.2f} {lg:>13.2f} {le / lg:>7.2f}", flush=True)
+        del eager, graph
+        gc.collect()
+        torch.cuda.empty_cache() if args.device == "cuda" else None
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -175,7 +232,10 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="latency batches")
     ap.add_argument("--token-batches", type=int, nargs="+", default=[1, 3, 27], help="token-check batches")
     ap.add_argument("--specs", type=int, nargs="+", default=[0, 1, 2, 3])
-    ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--gemma-variants", nargs="+", default=["31B", "26B-A4B"], help="part 4: tests/gemma4_shapes.py")
+    ap.add_argument("--gemma-layers", type=int, default=6)
+    ap.add_argument("--gemma-vocab", type=int, default=None, help="part 4: a smaller vocabulary (CPU dry runs)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script's own logic")
     args = ap.parse_args()
     import torch
@@ -189,7 +249,7 @@ def main() -> int:
     print(f"device {name}, torch {torch.__version__}", flush=True)
     ok = True
     for part, fn in ((1, lambda: check_real_shapes(path, args)), (2, lambda: check_tiny(args)),
-                     (3, lambda: latency(path, args))):
+                     (3, lambda: latency(path, args)), (4, lambda: check_gemma4(args))):
         if part not in args.parts:
             continue
         try:

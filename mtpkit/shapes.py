@@ -72,6 +72,8 @@ DIMS: dict[str, str] = {
     "out_features": "output features of a linear layer",
     "in_groups": "block-scaled FP8: scale groups along in_features, ceil(in_features / block_k)",
     "out_groups": "block-scaled FP8: scale groups along out_features, ceil(out_features / block_n)",
+    "layers": "decoder layers of the model (Gemma 4's per-layer inputs, one slice per layer)",
+    "ple_dim": "Gemma 4 per-layer embedding width (hidden_size_per_layer_input)",
     # cache geometry
     "num_blocks": "paged-KV blocks in the pool (block 0 is the null block)",
     "block_size": "tokens per KV block",

@@ -111,8 +111,11 @@ def calls(dtype=torch.bfloat16, bundles=(1, 3, 4), prefill=True):
         out.append(lambda x=x, conv_pool=conv_pool: triton_conv.causal_conv1d_verify(
             x, torch.zeros(C, W, dtype=dtype), conv_pool, torch.zeros(R, dtype=torch.int64),
             torch.ones(R, dtype=torch.int64)))
+        # ... and Gemma 4's: 31B sliding (32 heads, 16 KV, window 1024) and full (4 KV heads of
+        # 512); 26B-A4B's full layers (16 heads, 2 KV of 512) are the second shape; no softcap.
         for H, KVH, D, ctx, window, cap in ((16, 2, 256, 4096, None, None), (16, 2, 512, 4096, None, None),
-                                             (16, 8, 256, 1024, 512, 30.0)):
+                                             (16, 8, 256, 1024, 512, 30.0), (32, 16, 256, 4096, 1024, None),
+                                             (32, 4, 512, 4096, None, None)):
             nb = ctx // 16
             kc = torch.zeros(1 + R * nb, 16, KVH, D, dtype=dtype)
             qa = torch.zeros(R, B, H, D, dtype=dtype)
@@ -138,11 +141,12 @@ def calls(dtype=torch.bfloat16, bundles=(1, 3, 4), prefill=True):
     out.append(lambda: triton_conv.causal_conv1d_prefill(
         torch.zeros(T, C, dtype=dtype), torch.zeros(C, W, dtype=dtype), torch.zeros(1 + R, C, W - 1 + 3, dtype=dtype),
         qsl, torch.tensor([1, 2]), torch.ones(R, dtype=torch.bool)))
-    for D, q_len in ((256, 32), (256, 2048), (512, 32)):
-        kc = torch.zeros(1 + 256, 16, 2, D, dtype=dtype)
-        out.append(lambda kc=kc, D=D, q_len=q_len: triton_paged.paged_attention_prefill(
-            torch.zeros(2 * q_len, 16, D, dtype=dtype), kc, kc, torch.tensor([0, q_len, 2 * q_len]),
-            torch.tensor([q_len, q_len]), torch.zeros(2, 128, dtype=torch.int64), D ** -0.5))
+    for D, q_len, H, KVH, window in ((256, 32, 16, 2, None), (256, 2048, 16, 2, None), (512, 32, 16, 2, None),
+                                     (256, 2048, 32, 16, 1024), (512, 2048, 32, 4, None)):   # the last two: Gemma 4 31B
+        kc = torch.zeros(1 + 256, 16, KVH, D, dtype=dtype)
+        out.append(lambda kc=kc, D=D, q_len=q_len, H=H, window=window: triton_paged.paged_attention_prefill(
+            torch.zeros(2 * q_len, H, D, dtype=dtype), kc, kc, torch.tensor([0, q_len, 2 * q_len]),
+            torch.tensor([q_len, q_len]), torch.zeros(2, 128, dtype=torch.int64), D ** -0.5, window))
     return out
 
 

@@ -10,9 +10,14 @@ from torch import nn
 def init_dummy_weights(model: nn.Module, dtype: torch.dtype, device: torch.device,
                        seed: int = 0, std: float = 0.02) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
+    # A family whose weights need other starting values (Gemma 4's plain-weight norms and
+    # scales start at 1) says so per parameter; None keeps the rules below.
+    special = getattr(model, "dummy_value", lambda name, shape: None)
     for name, p in sorted(model.named_parameters()):
         leaf = name.rsplit(".", 1)[-1]
-        if "norm" in name and leaf == "weight":
+        if (value := special(name, tuple(p.shape))) is not None:
+            value = value.to(device)
+        elif "norm" in name and leaf == "weight":
             # zero-centred RMSNorms act as identity at 0; the GDN gated norm's weight is plain
             value = torch.ones(p.shape, device=device) if name.endswith("linear_attn.norm.weight") \
                 else torch.zeros(p.shape, device=device)

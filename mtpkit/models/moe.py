@@ -187,6 +187,8 @@ class SparseMoE(nn.Module):
     # with few experts the dense path is faster even for one token; with hundreds of experts
     # a decode step reads a hundredth of the weights.
     sparse_share: int = 8
+    # The experts' activation (Gemma 4's experts use gelu-tanh).
+    act = staticmethod(F.silu)
 
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens hidden"]:
@@ -225,7 +227,7 @@ class SparseMoE(nn.Module):
         gate = torch.zeros(T, E, dtype=x.dtype, device=x.device).scatter(1, experts, weights)
         s13 = None if self.fp8_block is None else self.w13_scale.view(-1, self.w13_scale.shape[-1])
         gu = self._lin(x, self.w13.view(nl * 2 * I, -1), s13).view(T, nl, 2, I)
-        act = F.silu(gu[:, :, 0]) * gu[:, :, 1] * gate[:, self.first:self.first + nl, None]   # [T, nl, I]
+        act = self.act(gu[:, :, 0]) * gu[:, :, 1] * gate[:, self.first:self.first + nl, None]   # [T, nl, I]
         act = act.reshape(T, nl * I)
         if self.s:
             act = torch.cat([self._shared_act(h), act], dim=1)
@@ -250,7 +252,7 @@ class SparseMoE(nn.Module):
             down = dequantize(down, ds, (bk, bn), x.dtype)
             shared_scale = self.w_out_scale[:, :S // bk]
         g, u = torch.matmul(w13, xs).chunk(2, dim=1)                                 # [T*K, I, 1]
-        act = F.silu(g) * u * weights.reshape(T * K, 1, 1)
+        act = self.act(g) * u * weights.reshape(T * K, 1, 1)
         out = torch.matmul(act.transpose(1, 2), down).view(T, K, H).sum(1)         # [T, H]
         return out + self._lin(self._shared_act(h), self.w_out[:, :S], shared_scale) if self.s else out
 
@@ -277,7 +279,7 @@ class SparseMoE(nn.Module):
                 s13, sdown = self.w13_scale[local], self.w_out_scale[:, cols.start // bk:cols.stop // bk]
             g, u = self._lin(x[tok], self.w13[local], s13).chunk(2, dim=-1)
             down = self.w_out[:, cols]
-            out.index_add_(0, tok, self._lin(F.silu(g) * u * weights.flatten()[idx, None], down, sdown))
+            out.index_add_(0, tok, self._lin(self.act(g) * u * weights.flatten()[idx, None], down, sdown))
         shared_scale = None if self.fp8_block is None else self.w_out_scale[:, :S // self.fp8_block[1]]
         return out + self._lin(self._shared_act(h), self.w_out[:, :S], shared_scale) if self.s else out
 

@@ -24,6 +24,7 @@ class ModelFamily:
     config_class: type
     model_class: type
     default_drafter: str | None = None
+    draft_hint: str = ""        # what to pass as draft_model= when there is no default drafter
 
 
 FAMILIES: dict[str, ModelFamily] = {}
@@ -39,6 +40,11 @@ def _builtin_families() -> None:
         from .qwen3_next import Qwen3NextForCausalLM
         from .qwen3_next_config import Qwen3NextConfig
         register_family(ModelFamily("qwen3_next", Qwen3NextConfig, Qwen3NextForCausalLM, default_drafter="mtp"))
+    if "gemma4_text" not in FAMILIES:
+        from .gemma4 import Gemma4ForCausalLM
+        from .gemma4_config import Gemma4Config
+        register_family(ModelFamily("gemma4_text", Gemma4Config, Gemma4ForCausalLM,
+                                    draft_hint="the Gemma 4 assistant checkpoint (model_type gemma4_assistant)"))
 
 
 def supported_model_types() -> list[str]:

@@ -27,5 +27,6 @@ def setup_drafter(family: ModelFamily, cfg, path: Path, *, num_spec: int, draft_
     if family.default_drafter == "mtp":
         from . import mtp
         return mtp.setup(cfg, path, num_spec, block_size, load_format)
+    what = family.draft_hint or "a checkpoint directory or built-in name"
     raise ConfigError(f"num_spec={num_spec} needs a drafter, and model type {family.model_type!r} has no built-in "
-                      "one; pass draft_model= (a checkpoint directory or built-in name)")
+                      f"one; pass draft_model= ({what}), or num_spec=0")
