@@ -78,8 +78,8 @@ DIMS: dict[str, str] = {
     "num_blocks": "paged-KV blocks in the pool (block 0 is the null block)",
     "block_size": "tokens per KV block",
     "max_blocks": "block-table width: blocks a request may hold",
-    "num_slots": "GDN state slots in the pool (slot 0 is the null slot)",
-    "num_layers": "layers of a kind (full-attention or GDN) in the model",
+    "num_slots": "recurrent-state slots in the pool (slot 0 is the null slot)",
+    "num_layers": "layers of one cache group in the model",
 }
 
 # ---------------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ class Request:
     seed: int | None               # sampling seed of a random request (its own or derived); None: greedy
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
-    num_computed: int = 0          # tokens whose KV and GDN state are in the caches
+    num_computed: int = 0          # tokens whose KV and recurrent state are in the caches
     prefill_target: int = 0        # tokens to prefill (prompt + outputs when recomputed)
     block_ids: list[int] = dataclasses.field(default_factory=list)
     state_slots: list[int] | None = None

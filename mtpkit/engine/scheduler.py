@@ -198,7 +198,7 @@ class Scheduler:
         return aborted
 
     def recompute(self, reqs: list[Request]) -> None:
-        """A step that raised may have written its requests' KV and GDN state without its
+        """A step that raised may have written its requests' KV and recurrent state without its
         results being applied; state slots are updated in place, so the step cannot simply run
         again. Its requests still running are preempted: recomputed from prompt + outputs."""
         for r in reversed(reqs):  # preemption queues at the front: keep their order
