@@ -13,8 +13,14 @@ line stops the run with an error naming file:line and the problem (all bad lines
 with --keep-going, becomes an error record while the other lines run. Output lines keep the
 input order: "index", "token_ids", "text", "finish_reason", the request's acceptance stats, and
 "error" for a line that could not run.
-Under `accelerate launch` every process is one tensor-parallel rank: the model is split over all
-of them, each runs the same engine, and rank 0 writes the file and prints.
+Under `accelerate launch` of N processes, --tensor-parallel-size T (default N) makes N / T
+replicas of T consecutive ranks each (a TP group per replica). The prompts are dealt to the
+replicas by length (prompt tokens + max_tokens, longest first to the least loaded); a replica
+that finishes early takes no work from the others. The first rank of each replica appends each
+finished request to its part file (OUTPUT.part-R-of-K, flushed per request, with the input's
+line number), so a killed job loses only the requests in flight; --resume skips the lines found
+in the output and the part files. Rank 0 prints the whole job's progress, gathers every
+replica's records and writes OUTPUT complete and in input order.
 """
 
 import argparse
