@@ -169,6 +169,8 @@ def check_inputs(args) -> list:
     family, cfg = read_config(model)
     # The launch layout and the model's split, from config.json alone: before any weight is read.
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
+        raise InputError(f"--tensor-parallel-size {args.tensor_parallel_size} must be >= 1")
     replica_ranks(world, args.tensor_parallel_size or world)
     family.model_class.check_tensor_parallel(cfg, args.tensor_parallel_size or world,
                                              with_mtp=bool(args.num_spec) and args.draft_model is None)
@@ -333,7 +335,11 @@ def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
              for i in todo if not isinstance(prompts[i], BadLine)}
     mine = shard(costs, len(replicas))[replica]
     progress = Progress(group, replicas, rank, len(prompts), len(found))
-    part = open(f"{args.output}.part-{replica}-of-{len(replicas)}", "a", encoding="utf-8") if lead else None
+    part = open(f"{args.output}.part-{replica}-of-{len(replicas)}", "a+", encoding="utf-8") if lead else None
+    if part is not None and part.tell():  # a killed run may have left half a line: start a new one
+        part.seek(part.tell() - 1)
+        if part.read(1) != "\n":
+            part.write("\n")
     records, counts = [], [0, 0, 0, 0]
 
     def write(i: int, rec: dict):

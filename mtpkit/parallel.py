@@ -2,7 +2,9 @@
 and the engine need. Size 1 is the single-process case and does no communication.
 
 The transport is torch.distributed as `accelerate launch` (or torchrun) sets it up: NCCL on
-GPUs, gloo on CPU. Every rank runs the same engine on the same inputs; only weights differ.
+GPUs, gloo on CPU. Every rank of a group runs the same engine on the same inputs; only weights
+differ. A launch may hold several groups (replicas, `replica_ranks`): every collective names
+its group, and a rank in it is the group's rank, not the job's.
 The collectives take any tensor (plain Tensor): their callers carry the shape types.
 """
 

@@ -152,5 +152,19 @@ def test_layout_errors_before_any_weight(monkeypatch, capsys, tmp_path):
     oracle.tiny_config({**CFG, "num_experts": 6}).to_json_file(tmp_path / "config.json")
     err = _refused(monkeypatch, capsys, tmp_path, 4, "--tensor-parallel-size", "3")
     assert "tensor_parallel_size=3 does not divide the 4 launched processes" in err, err
+    err = _refused(monkeypatch, capsys, tmp_path, 4, "--tensor-parallel-size", "0")
+    assert "--tensor-parallel-size 0 must be >= 1" in err, err
     err = _refused(monkeypatch, capsys, tmp_path, 4, "--tensor-parallel-size", "4")
     assert "num_experts=6" in err and "tensor_parallel_size" in err, err
+
+
+def test_resume_over_a_half_written_line(job):
+    """A run killed mid-write leaves half a record: it is skipped, and the next run's records
+    start on a new line, so they are found by the run after."""
+    root, _ = job
+    done = (root / "single.jsonl").read_text().splitlines()
+    (root / "torn.jsonl.part-0-of-1").write_text("\n".join(done[:2]) + "\n" + done[2][:30])
+    _serve(root, "torn.jsonl", "--resume", "--exit-after", "1", rc=3)  # killed again, after 1 more
+    stdout = _serve(root, "torn.jsonl", "--resume")
+    assert "5/8 requests generated (3 already written)" in stdout, stdout
+    assert (root / "torn.jsonl").read_text() == (root / "single.jsonl").read_text()
