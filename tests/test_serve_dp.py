@@ -44,6 +44,9 @@ def _args(root: Path, out: str, *extra) -> list[str]:
 def _dp4_worker(root: str):
     """One of the four ranks (module level: debug_launcher forks into it)."""
     from accelerate import PartialState
+    # A PartialState made earlier in the pytest process (serve_batch's main run in-process by
+    # other tests) is inherited through the fork and would make this rank a lone process.
+    PartialState._reset_state()
     state = PartialState(cpu=True)
     torch.set_num_threads(1)
     root, mod = Path(root), _module()

@@ -62,6 +62,9 @@ def _error(fn):
 def _tp2_worker(root: str):
     """One rank of the two-process job (module level: debug_launcher forks into it)."""
     from accelerate import PartialState
+    # A PartialState made earlier in the pytest process (serve_batch's main run in-process by
+    # other tests) is inherited through the fork and would make this rank a lone process.
+    PartialState._reset_state()
     state = PartialState(cpu=True)
     torch.set_num_threads(1)
     root, out = Path(root), {}
