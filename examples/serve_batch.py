@@ -330,9 +330,22 @@ def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
                             ignore_eos=args.ignore_eos)
     # Bad lines cost nothing to run: replica 0 writes them. The rest are dealt by length.
     bad = [i for i in todo if isinstance(prompts[i], BadLine)]
-    costs = {i: args.max_tokens + (len(prompts[i]) if isinstance(prompts[i], list)
-                                    else len(llm.tokenizer.encode(prompts[i]).ids))
-             for i in todo if not isinstance(prompts[i], BadLine)}
+    costs, refused = {}, []
+    for i in todo:
+        if isinstance(prompts[i], BadLine):
+            continue
+        # Limits only the engine knows (prompt + max_tokens beyond max_model_len), checked for
+        # every prompt on every rank: a replica that alone refused its share would leave the
+        # others waiting for it. With --keep-going they come back as error outputs.
+        try:
+            ids, _ = llm._validate(prompts[i], params, f"{args.prompts or 'sample'}:{lines[i]}")
+            costs[i] = len(ids) + args.max_tokens
+        except InputError as e:
+            costs[i] = 0
+            refused.append(str(e))
+    if refused and not args.keep_going:
+        raise InputError(f"{len(refused)} prompt(s) the engine cannot run; nothing was run (--keep-going runs "
+                         "the others and writes these as error records):\n  " + "\n  ".join(refused[:20]))
     mine = shard(costs, len(replicas))[replica]
     progress = Progress(group, replicas, rank, len(prompts), len(found))
     part = open(f"{args.output}.part-{replica}-of-{len(replicas)}", "a+", encoding="utf-8") if lead else None
@@ -354,8 +367,6 @@ def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
     start = time.perf_counter()
     for i in bad if replica == 0 else []:
         write(i, error_record(i, prompts[i]))
-    # Limits only the engine knows (prompt + max_tokens beyond max_model_len) come back as error
-    # outputs with --keep-going, and refuse the batch (before any generation) without it.
     events = llm.stream([prompts[i] for i in mine], params, errors="return" if args.keep_going else "raise") \
         if mine else []
     for ev in events:
@@ -372,7 +383,6 @@ def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
     if lead:
         progress.report(counts, final=True)
         part.close()
-    if lead:
         progress.finish()
     elapsed = max(time.perf_counter() - start, 1e-9)
     # Rank 0 puts the file together: every replica's records (their part files may be on

@@ -60,6 +60,16 @@ def _dp4_worker(root: str):
             assert mod.run(args, prompts, lines, state, cpu=True) == 0
         if state.is_main_process:
             (root / f"{out}.stdout").write_text(printed.getvalue())
+    # One prompt too long for max_model_len, dealt to one replica: every rank refuses the batch.
+    args = mod._parser().parse_args(_args(root, "long-out.jsonl", "--tensor-parallel-size", "1"))
+    args.prompts = str(root / "long.jsonl")
+    prompts, lines = mod.check_inputs(args)
+    try:
+        mod.run(args, prompts, lines, state, cpu=True)
+        refused = None
+    except mod.InputError as e:
+        refused = str(e)
+    (root / f"long.rank{state.process_index}").write_text(json.dumps(refused))
 
 
 def _serve(root: Path, out: str, *extra, rc: int = 0):
@@ -77,6 +87,7 @@ def job(tmp_path_factory):
     # A blank line: records carry the file's line numbers, not the prompt's position.
     lines = [json.dumps({"prompt_token_ids": p}) for p in prompts]
     (root / "in.jsonl").write_text("\n".join(lines[:3] + [""] + lines[3:]) + "\n")
+    (root / "long.jsonl").write_text("\n".join(lines[:3] + [json.dumps({"prompt_token_ids": [1] * 125})]) + "\n")
     single = _serve(root, "single.jsonl")
     # Killed after 3 requests: its part file is what the 4-process job resumes from.
     _serve(root, "killed.jsonl", "--exit-after", "3", rc=3)
@@ -171,3 +182,11 @@ def test_resume_over_a_half_written_line(job):
     stdout = _serve(root, "torn.jsonl", "--resume")
     assert "5/8 requests generated (3 already written)" in stdout, stdout
     assert (root / "torn.jsonl").read_text() == (root / "single.jsonl").read_text()
+
+
+def test_a_prompt_the_engine_cannot_run_stops_every_replica(dp4):
+    root, _ = dp4
+    for rank in range(4):
+        refused = json.loads((root / f"long.rank{rank}").read_text())
+        assert refused and f"{root / 'long.jsonl'}:4" in refused and "max_model_len" in refused, (rank, refused)
+    assert not list(root.glob("long-out.jsonl*")), "refused before any part file is opened"
