@@ -13,11 +13,18 @@ line stops the run with an error naming file:line and the problem (all bad lines
 with --keep-going, becomes an error record while the other lines run. Output lines keep the
 input order: "index", "token_ids", "text", "finish_reason", the request's acceptance stats, and
 "error" for a line that could not run.
-Under `accelerate launch` every process is one tensor-parallel rank: the model is split over all
-of them, each runs the same engine, and rank 0 writes the file and prints.
+Under `accelerate launch` of N processes, --tensor-parallel-size T (default N) makes N / T
+replicas of T consecutive ranks each (a TP group per replica). The prompts are dealt to the
+replicas by length (prompt tokens + max_tokens, longest first to the least loaded); a replica
+that finishes early takes no work from the others. The first rank of each replica appends each
+finished request to its part file (OUTPUT.part-R-of-K, flushed per request, with the input's
+line number), so a killed job loses only the requests in flight; --resume skips the lines found
+in the output and the part files. Rank 0 prints the whole job's progress, gathers every
+replica's records and writes OUTPUT complete and in input order.
 """
 
 import argparse
+import glob
 import json
 import os
 import sys
@@ -25,10 +32,12 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from accelerate import PartialState
 
 from mtpkit import LLM, InputError, MtpkitError, SamplingParams
 from mtpkit.models.registry import read_config, resolve_model
+from mtpkit.parallel import replica_ranks
 
 SAMPLES = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
            "Speculative decoding works by"]
@@ -54,6 +63,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--cpu", action="store_true", help="run on CPU even where a GPU is present")
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="ranks per model replica; the launched processes form N / T replicas that split the "
+                        "prompts (default: every launched process is one replica)")
+    p.add_argument("--resume", action="store_true",
+                   help="skip input lines already in --output or its part files (a killed run's results)")
+    # Test hook: the process exits (as if killed) after writing this many records.
+    p.add_argument("--exit-after", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -89,12 +105,14 @@ def check_line(rec, has_tokenizer: bool, vocab_size: int | None) -> tuple:
     return ids, None
 
 
-def read_prompts(path: str | None, has_tokenizer: bool, vocab_size: int | None = None) -> list:
-    """Prompts in file order: a str, a token-id list, or a BadLine each. Raises InputError when
-    the file cannot be read (missing, a directory, unreadable, not UTF-8)."""
+def read_prompts(path: str | None, has_tokenizer: bool, vocab_size: int | None = None) -> tuple[list, list]:
+    """Prompts in file order (a str, a token-id list, or a BadLine each) and their line numbers
+    in the file. Raises InputError when the file cannot be read (missing, a directory,
+    unreadable, not UTF-8)."""
     if path is None:
         # Token ids for a checkpoint without a tokenizer (the tiny test checkpoints).
-        return SAMPLES if has_tokenizer else [[(7 * i + j) % 100 + 1 for j in range(5 + 3 * i)] for i in range(4)]
+        samples = SAMPLES if has_tokenizer else [[(7 * i + j) % 100 + 1 for j in range(5 + 3 * i)] for i in range(4)]
+        return samples, list(range(1, len(samples) + 1))
     f = Path(path)
     if not f.exists():
         raise InputError(f"--prompts {path}: no such file")
@@ -104,10 +122,11 @@ def read_prompts(path: str | None, has_tokenizer: bool, vocab_size: int | None =
         text = f.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"--prompts {path} cannot be read: {e}") from e
-    prompts = []
+    prompts, lines = [], []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        lines.append(n)
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
@@ -117,7 +136,7 @@ def read_prompts(path: str | None, has_tokenizer: bool, vocab_size: int | None =
         prompts.append(p if problem is None else BadLine(f"{path}:{n}", problem))
     if not prompts:
         raise InputError(f"--prompts {path} holds no prompts")
-    return prompts
+    return prompts, lines
 
 
 def check_output(path: str) -> None:
@@ -147,21 +166,28 @@ def result(i: int, out) -> dict:
 def check_inputs(args) -> list:
     """Everything about the input and output files, before the model loads (InputError)."""
     model = resolve_model(args.model)
-    vocab_size = read_config(model)[1].vocab_size
-    prompts = read_prompts(args.prompts, (model / "tokenizer.json").exists(), vocab_size)
+    family, cfg = read_config(model)
+    # The launch layout and the model's split, from config.json alone: before any weight is read.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
+        raise InputError(f"--tensor-parallel-size {args.tensor_parallel_size} must be >= 1")
+    replica_ranks(world, args.tensor_parallel_size or world)
+    family.model_class.check_tensor_parallel(cfg, args.tensor_parallel_size or world,
+                                             with_mtp=bool(args.num_spec) and args.draft_model is None)
+    prompts, lines = read_prompts(args.prompts, (model / "tokenizer.json").exists(), cfg.vocab_size)
     bad = [p for p in prompts if isinstance(p, BadLine)]
     if bad and not args.keep_going:
         shown = "\n  ".join(b.error for b in bad[:20]) + ("" if len(bad) <= 20 else f"\n  ... {len(bad) - 20} more")
         raise InputError(f"{len(bad)} bad input line(s); nothing was run (--keep-going runs the others and "
                          f"writes these as error records):\n  {shown}")
     check_output(args.output)
-    return prompts
+    return prompts, lines
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        prompts = check_inputs(args)
+        prompts, lines = check_inputs(args)
     except MtpkitError as e:
         if os.environ.get("RANK", "0") == "0":  # every launched rank finds the same problem
             print(f"error: {e}", file=sys.stderr)
@@ -170,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     # Joins the launched job (gloo on CPU, NCCL on GPU); a plain `python` run is one process.
     state = PartialState(cpu=cpu)
     try:
-        return run(args, prompts, state, cpu)
+        return run(args, prompts, lines, state, cpu)
     except MtpkitError as e:  # the same on every rank: a model or engine limit
         if state.is_main_process:
             print(f"error: {e}", file=sys.stderr)
@@ -180,36 +206,227 @@ def main(argv: list[str] | None = None) -> int:
             torch.distributed.destroy_process_group()
 
 
-def run(args, prompts: list, state, cpu: bool) -> int:
+def shard(costs: dict, replicas: int) -> list[list[int]]:
+    """Prompt indices dealt to replicas so their total costs come out even: longest first, each
+    to the replica with the least so far (ties: lowest index, lowest replica), the same on every
+    rank. A replica that finishes early takes no work from the others."""
+    load, shards = [0] * replicas, [[] for _ in range(replicas)]
+    for i in sorted(costs, key=lambda i: (-costs[i], i)):
+        r = min(range(replicas), key=lambda r: (load[r], r))
+        load[r] += costs[i]
+        shards[r].append(i)
+    return [sorted(s) for s in shards]
+
+
+def part_files(output: str) -> list[Path]:
+    out = Path(output)
+    return sorted(out.parent.glob(glob.escape(out.name) + ".part-*"))
+
+
+def written(output: str, lines: list) -> dict:
+    """Records already written for this input, by input line: the output file and the part
+    files beside it (a torn last line, where a run was killed mid-write, is skipped)."""
+    known, found = set(lines), {}
+    for f in [Path(output)] * Path(output).exists() + part_files(output):
+        for text in f.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                rec = json.loads(text)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and rec.get("line") in known:
+                found[rec["line"]] = rec
+    return found
+
+
+class Progress:
+    """The whole job's progress on global rank 0. Every replica's first rank sends its counts
+    (done, tokens, drafted, accepted, finished) after each request it writes; rank 0 polls for
+    them between its own requests, without waiting, so no replica waits for another."""
+
+    FIELDS = 5
+
+    def __init__(self, group, replicas: list, rank: int, total: int, already: int):
+        self.group, self.leads, self.rank = group, [r[0] for r in replicas], rank
+        self.total, self.already, self.start, self.shown = total, already, time.perf_counter(), 0.0
+        self.counts = {lead: [0] * self.FIELDS for lead in self.leads}
+        self.sends, self.recvs = [], {}
+        if rank == 0:
+            for lead in self.leads[1:]:
+                self._post(lead)
+
+    def _post(self, lead: int):
+        buf = torch.zeros(self.FIELDS, dtype=torch.float64)
+        self.recvs[lead] = (buf, dist.irecv(buf, src=lead, group=self.group))
+
+    def report(self, counts: list, final: bool = False):
+        counts = counts + [1 if final else 0]
+        if self.rank == 0:
+            self.counts[0] = counts
+            self.poll()
+        elif self.group is not None:
+            buf = torch.tensor(counts, dtype=torch.float64)
+            self.sends.append((buf, dist.isend(buf, dst=0, group=self.group)))
+
+    def poll(self, wait: bool = False):
+        for lead, (buf, work) in list(self.recvs.items()):
+            while wait or work.is_completed():
+                work.wait()
+                self.counts[lead] = [int(v) for v in buf.tolist()]
+                del self.recvs[lead]
+                self.show()
+                if self.counts[lead][-1]:
+                    break
+                self._post(lead)
+                buf, work = self.recvs[lead]
+        self.show(force=wait)
+
+    def finish(self):
+        """Rank 0 waits for every replica's last report; the others for their sends."""
+        if self.rank == 0:
+            self.poll(wait=True)
+        for _, work in self.sends:
+            work.wait()
+
+    def show(self, force: bool = False):
+        now = time.perf_counter()
+        if not force and now - self.shown < 2.0:
+            return
+        self.shown = now
+        done, tokens, drafted, accepted = (sum(c[k] for c in self.counts.values()) for k in range(4))
+        acc = f", acceptance {accepted / drafted:.2f}" if drafted else ""
+        print(f"progress: {self.already + done}/{self.total} prompts, "
+              f"{tokens / max(now - self.start, 1e-9):.1f} tok/s{acc}", file=sys.stderr, flush=True)
+
+
+def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
+    world, rank = state.num_processes, state.process_index
+    size = args.tensor_parallel_size or world
+    replicas = replica_ranks(world, size)
+    replica, lead = rank // size, rank % size == 0
+    # Object exchange and progress go over gloo, which carries CPU tensors under NCCL too.
+    group = dist.new_group(backend="gloo") if world > 1 else None
+    if args.resume:
+        found = written(args.output, lines)
+        if world > 1:  # a machine sees only its own part files: the union of every rank's
+            everyone = [None] * world
+            dist.all_gather_object(everyone, found, group=group)
+            found = {k: v for d in everyone for k, v in d.items()}
+    else:
+        found = {}
+        if state.is_local_main_process:
+            for f in part_files(args.output):
+                f.unlink(missing_ok=True)
+        state.wait_for_everyone()
+    todo = [i for i in range(len(prompts)) if lines[i] not in found]
+    if not todo:
+        if rank == 0:
+            finish_file(args.output, found, lines)
+            print(f"nothing to do: all {len(prompts)} prompts are already in {args.output}")
+        return 0
     llm = LLM(args.model, num_spec=args.num_spec, draft_model=args.draft_model, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, dtype=args.dtype, seed=args.seed,
-              device="cpu" if cpu else state.device, tensor_parallel_size=state.num_processes)
+              device="cpu" if cpu else state.device, tensor_parallel_size=size)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             ignore_eos=args.ignore_eos)
-    main_rank = state.is_main_process
-    good = [i for i, p in enumerate(prompts) if not isinstance(p, BadLine)]
+    # Bad lines cost nothing to run: replica 0 writes them. The rest are dealt by length.
+    bad = [i for i in todo if isinstance(prompts[i], BadLine)]
+    costs, refused = {}, []
+    for i in todo:
+        if isinstance(prompts[i], BadLine):
+            continue
+        # Limits only the engine knows (prompt + max_tokens beyond max_model_len), checked for
+        # every prompt on every rank: a replica that alone refused its share would leave the
+        # others waiting for it. With --keep-going they come back as error outputs.
+        try:
+            ids, _ = llm._validate(prompts[i], params, f"{args.prompts or 'sample'}:{lines[i]}")
+            costs[i] = len(ids) + args.max_tokens
+        except InputError as e:
+            costs[i] = 0
+            refused.append(str(e))
+    if refused and not args.keep_going:
+        raise InputError(f"{len(refused)} prompt(s) the engine cannot run; nothing was run (--keep-going runs "
+                         "the others and writes these as error records):\n  " + "\n  ".join(refused[:20]))
+    mine = shard(costs, len(replicas))[replica]
+    progress = Progress(group, replicas, rank, len(prompts), len(found))
+    part = open(f"{args.output}.part-{replica}-of-{len(replicas)}", "a+", encoding="utf-8") if lead else None
+    if part is not None and part.tell():  # a killed run may have left half a line: start a new one
+        part.seek(part.tell() - 1)
+        if part.read(1) != "\n":
+            part.write("\n")
+    records, counts = [], [0, 0, 0, 0]
+
+    def write(i: int, rec: dict):
+        rec["line"] = lines[i]
+        records.append(rec)
+        if part is not None:  # flushed per request: a killed job loses only those in flight
+            part.write(json.dumps(rec) + "\n")
+            part.flush()
+            if args.exit_after is not None and len(records) >= args.exit_after:
+                os._exit(3)
+
     start = time.perf_counter()
-    # Limits only the engine knows (prompt + max_tokens beyond max_model_len) come back as error
-    # outputs with --keep-going, and refuse the batch (before any generation) without it.
-    outputs = llm.generate([prompts[i] for i in good], params, errors="return" if args.keep_going else "raise",
-                           use_tqdm=main_rank) if good else []
+    for i in bad if replica == 0 else []:
+        write(i, error_record(i, prompts[i]))
+    events = llm.stream([prompts[i] for i in mine], params, errors="return" if args.keep_going else "raise") \
+        if mine else []
+    for ev in events:
+        if not ev.finished:
+            continue
+        out = ev.output
+        write(mine[ev.index], result(mine[ev.index], out))
+        if out.error is None:
+            s = out.spec_stats
+            counts = [counts[0] + 1, counts[1] + len(out.token_ids), counts[2] + s.num_drafted,
+                      counts[3] + s.num_accepted]
+        if lead:
+            progress.report(counts)
+    if lead:
+        progress.report(counts, final=True)
+        part.close()
+        progress.finish()
     elapsed = max(time.perf_counter() - start, 1e-9)
-    if main_rank:
-        by_index = dict(zip(good, outputs))
-        with open(args.output, "w") as f:
-            for i, p in enumerate(prompts):
-                rec = error_record(i, p) if isinstance(p, BadLine) else result(i, by_index[i])
-                f.write(json.dumps(rec) + "\n")
-        done = [o for o in outputs if o.error is None]
-        tokens = sum(len(o.token_ids) for o in done)
-        print(f"{len(done)}/{len(prompts)} requests, {tokens} tokens in {elapsed:.2f} s: "
-              f"{tokens / elapsed:.1f} tok/s, {len(done) / elapsed:.2f} req/s "
-              f"(tensor parallel {llm.tp.size}, num_spec {args.num_spec})")
+    # Rank 0 puts the file together: every replica's records (their part files may be on
+    # other machines) and those found at the start, in input order.
+    gathered = [None] * world if rank == 0 else None
+    if world > 1:
+        dist.gather_object((records if lead else [], counts if lead else None), gathered, dst=0, group=group)
+    else:
+        gathered = [(records, counts)]
+    if rank == 0:
+        for recs, _ in gathered:
+            found.update({r["line"]: r for r in recs})
+        finish_file(args.output, found, lines)
+        per_replica = [gathered[r[0]][1] for r in replicas]
+        tokens = sum(c[1] for c in per_replica)
+        done = sum(c[0] for c in per_replica)
+        print(f"{done}/{len(prompts)} requests generated ({len(prompts) - len(todo)} already written), {tokens} "
+              f"tokens in {elapsed:.2f} s: {tokens / elapsed:.1f} tok/s, {done / elapsed:.2f} req/s "
+              f"(replicas {len(replicas)} x tensor parallel {size}, num_spec {args.num_spec}); per replica: "
+              + ", ".join(f"{r}: {c[0]} requests {c[1]} tokens" for r, c in enumerate(per_replica)))
         if args.num_spec:
-            print(f"acceptance: {llm.stats}")
+            drafted, accepted = sum(c[2] for c in per_replica), sum(c[3] for c in per_replica)
+            print(f"acceptance: {accepted}/{drafted} drafts accepted"
+                  + (f" ({accepted / drafted:.3f})" if drafted else "") + f"; this replica: {llm.stats}")
         print(f"wrote {args.output}")
     state.wait_for_everyone()
+    if lead:  # the records are in the output now
+        Path(f"{args.output}.part-{replica}-of-{len(replicas)}").unlink(missing_ok=True)
     return 0
+
+
+def finish_file(output: str, found: dict, lines: list) -> None:
+    """The output in input order, written whole and then renamed over the old one, so it is
+    never half written; the part files it holds are removed."""
+    missing = [n for n in lines if n not in found]
+    if missing:
+        raise RuntimeError(f"records for input lines {missing[:10]} are missing")
+    text = "".join(json.dumps(found[n]) + "\n" for n in lines)
+    if not Path(output).exists() or Path(output).read_text(encoding="utf-8") != text:
+        tmp = Path(f"{output}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, output)
+    for f in part_files(output):
+        f.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -65,8 +65,10 @@ class LLM:
         """draft_model: a checkpoint directory (or built-in name) that drafts num_spec tokens
         per step; None uses the model family's own drafter (Qwen3-Next: its MTP head).
         tensor_parallel_size: ranks the model is split over; None means every process of
-        the launched job (`accelerate launch` / torchrun), 1 when not launched. It must equal
-        the launched world size. Every rank runs the engine and returns the same outputs.
+        the launched job (`accelerate launch` / torchrun), 1 when not launched. It must divide
+        the launched world size: a smaller size makes world / size replicas of consecutive
+        ranks (parallel.replica_ranks), each its own group that runs its own requests. Every
+        rank of a group runs the engine and returns the same outputs.
         load_format "dummy": random weights from config.json alone (benchmarks, GPU checks).
         num_threads (CPU): torch's intra-op threads. None: 1 for models under 50M parameters,
         whose ops are too small to gain from threads and which slow down many times over when

@@ -2,7 +2,9 @@
 and the engine need. Size 1 is the single-process case and does no communication.
 
 The transport is torch.distributed as `accelerate launch` (or torchrun) sets it up: NCCL on
-GPUs, gloo on CPU. Every rank runs the same engine on the same inputs; only weights differ.
+GPUs, gloo on CPU. Every rank of a group runs the same engine on the same inputs; only weights
+differ. A launch may hold several groups (replicas, `replica_ranks`): every collective names
+its group, and a rank in it is the group's rank, not the job's.
 The collectives take any tensor (plain Tensor): their callers carry the shape types.
 """
 
@@ -39,8 +41,9 @@ class TP:
 
         A job started by a launcher but not yet initialised (WORLD_SIZE > 1 in the environment)
         is initialised here through accelerate, so `LLM(...)` alone works under
-        `accelerate launch`. TP uses every process of the job: there is no data or pipeline
-        parallelism to put the others in, so any other size is refused with the fix."""
+        `accelerate launch`. A size below the launched world splits it into world / size
+        replicas of consecutive ranks (`replica_ranks`), each its own group: data parallel x
+        tensor parallel, where each replica runs its own requests."""
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             raise ConfigError(f"tensor_parallel_size={size!r} must be an int >= 1")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
@@ -55,12 +58,20 @@ class TP:
                 "CPU add --num_machines 1 --mixed_precision no --dynamo_backend no and use "
                 "PartialState(cpu=True)), or torchrun --nproc_per_node "
                 f"{size}; or pass tensor_parallel_size=1")
-        if size != world:
-            raise ConfigError(
-                f"tensor_parallel_size={size} but the job was launched with {world} processes; tensor "
-                f"parallelism spans every launched process, so pass tensor_parallel_size={world} (or "
-                f"leave it unset) or launch {size} processes")
-        return cls.from_environment() if size > 1 else cls()
+        replicas = replica_ranks(world, size)
+        if size == 1:
+            return cls()
+        if size == world:
+            return cls.from_environment()
+        # new_group is collective over the whole job: every rank creates every replica's group,
+        # in the same order, and keeps its own.
+        me = dist.get_rank()
+        mine = None
+        for ranks in replicas:
+            group = dist.new_group(ranks)
+            if me in ranks:
+                mine = cls(rank=ranks.index(me), size=size, group=group)
+        return mine
 
     def rank_device(self, device: torch.device) -> torch.device:
         """A bare "cuda" means this rank's own GPU (LOCAL_RANK, as launchers set it), not GPU 0."""
@@ -114,8 +125,9 @@ class TP:
         return torch.cat(out.chunk(self.size, dim=0), dim=-1)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank `src` of this group (not of the job) to the others."""
         if self.size > 1:
-            dist.broadcast(x, src=src, group=self.group)
+            dist.broadcast(x, group=self.group, group_src=src)
         return x
 
     def raise_if_any_failed(self, error: Exception | None, what: str) -> None:
@@ -139,3 +151,15 @@ class TP:
             others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
             raise cls(f"tensor-parallel rank {rank}{others} failed while {what}, so every rank stops: "
                       f"{name}: {msg}")
+
+
+def replica_ranks(world: int, size: int) -> list[list[int]]:
+    """The launched ranks 0..world-1 as world / size replicas of `size` consecutive ranks
+    (consecutive: a launcher numbers a machine's processes together, so a replica's
+    all-reduces stay on one machine whenever size divides the processes per machine)."""
+    if world % size:
+        raise ConfigError(
+            f"tensor_parallel_size={size} does not divide the {world} launched processes: each replica "
+            f"needs exactly {size} ranks; launch a multiple of {size} processes or use a "
+            f"tensor_parallel_size that divides {world}")
+    return [list(range(r * size, (r + 1) * size)) for r in range(world // size)]

@@ -319,7 +319,8 @@ def test_serve_batch_keep_going_writes_error_records(capsys, tmp_path):
 
 
 def test_the_shipped_example_prompts_are_valid(serve_batch):
-    prompts = serve_batch.read_prompts(str(ROOT / "examples" / "prompts.jsonl"), True, 257)
+    prompts, lines = serve_batch.read_prompts(str(ROOT / "examples" / "prompts.jsonl"), True, 257)
+    assert lines == sorted(lines) and len(lines) == len(prompts)
     assert len(prompts) >= 3 and not any(isinstance(p, serve_batch.BadLine) for p in prompts)
 
 
