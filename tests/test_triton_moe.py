@@ -39,9 +39,11 @@ def kernel():
 
 def weights_of(g, dtype, strided):
     w13 = torch.randn(E, 2 * I, H, generator=g).to(dtype).to(DEVICE) * 0.2
-    if strided:  # SparseMoE's view: w_out [H, S + E*I] -> [:, S:].T.view(E, I, H)
+    if strided:  # SparseMoE's views; on CPU both matrices column-major (set_weight_layout)
+        w13 = w13.reshape(-1, H).t().contiguous().t().view(E, 2 * I, H)
         S = 16
         w_out = torch.randn(H, S + E * I, generator=g).to(dtype).to(DEVICE) * 0.2
+        w_out = w_out.t().contiguous().t() if DEVICE == "cpu" else w_out
         return w13, w_out[:, S:].T.view(E, I, H)
     return w13, (torch.randn(E, I, H, generator=g) * 0.2).to(dtype).to(DEVICE)
 
@@ -96,3 +98,53 @@ def test_fp64_goes_to_the_reference(kernel):
     weights = weights.double().to(DEVICE)
     assert torch.equal(kernel.moe_experts(x, w13, w_down, experts, weights),
                        ref.moe_experts(x, w13, w_down, experts, weights))
+
+
+def test_engine_with_the_fused_moe_gives_the_torch_backends_tokens(kernel, tmp_path):
+    """The Triton backend's engine (attention-side kernels and the fused MoE, interpreted) gives
+    the torch backend's greedy tokens, MTP on; the fused kernel really ran on the sparse path
+    (64 experts, top 2: a step of 2 requests x bundle 2 gathers its experts)."""
+    if DEVICE != "cpu":
+        pytest.skip("runs the interpreter")
+    import dataclasses
+    import json
+
+    import mtpkit
+    from mtpkit import SamplingParams
+    from mtpkit.models.moe import SparseMoE
+
+    cfg = dict(model_type="qwen3_next", vocab_size=96, hidden_size=32, num_hidden_layers=2,
+               full_attention_interval=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+               intermediate_size=64, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+               num_experts=64, num_experts_per_tok=2, moe_intermediate_size=16,
+               shared_expert_intermediate_size=16, norm_topk_prob=True, decoder_sparse_step=1,
+               mlp_only_layers=[], rms_norm_eps=1e-6, max_position_embeddings=256,
+               rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+               tie_word_embeddings=False, eos_token_id=0)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    prompts = [[5, 9, 17, 3], [40, 2, 2, 71, 8, 13]]
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    runs, logits = {}, {}
+    for backend in ("torch", "triton"):
+        llm = mtpkit.LLM(tmp_path, load_format="dummy", dtype="float32", num_spec=1, attn_backend=backend,
+                         max_num_seqs=2, max_model_len=64, graph_sizes=[1, 2], seed=1)
+        calls = []
+        for m in llm.model.modules():
+            if isinstance(m, SparseMoE):
+                with torch.no_grad():  # std 0.02 would leave the experts' share of the logits ~1e-6
+                    m.w13.mul_(20)
+                    m.w_out.mul_(20)
+                fn = m.ops.moe_experts
+
+                def counted(*a, _fn=fn):
+                    calls.append(_fn)
+                    return _fn(*a)
+                m.ops = dataclasses.replace(m.ops, moe_experts=counted)
+        runs[backend] = [o.token_ids for o in llm.generate(prompts, sp)]
+        # The last verify step's logits (same tokens in, so the same step): a 1% error in the
+        # fused kernel moves them ~6e-5, where the backends differ by ~1e-7.
+        logits[backend] = llm.runner.graphs.outputs[2]["logits"].clone()
+        assert calls and all(f is (kernel.moe_experts if backend == "triton" else ref.moe_experts) for f in calls)
+    assert runs["triton"] == runs["torch"]
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=2e-6, rtol=1e-5)

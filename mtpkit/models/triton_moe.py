@@ -39,7 +39,7 @@ def _leader_run(sorted_e, counts, p):
 
 @triton.jit
 def _moe_gate_up_kernel(x, w13, order, sorted_e, counts, weights, act, H, I, K,
-                        sx, swe, swr, BT: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr,
+                        sx, sxh, swe, swr, swh, BT: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr,
                         NATIVE: tl.constexpr):
     p = tl.program_id(0)
     i0 = tl.program_id(1) * BI
@@ -57,10 +57,10 @@ def _moe_gate_up_kernel(x, w13, order, sorted_e, counts, weights, act, H, I, K,
         for h0 in range(0, H, BH):
             rh = h0 + tl.arange(0, BH)
             hmask = rh < H
-            xs = tl.load(x + tok[:, None].to(tl.int64) * sx + rh[None, :], mask=jmask[:, None] & hmask[None, :], other=0.0)
+            xs = tl.load(x + tok[:, None].to(tl.int64) * sx + rh[None, :] * sxh, mask=jmask[:, None] & hmask[None, :], other=0.0)
             wmask = imask[:, None] & hmask[None, :]
-            wg = tl.load(wbase + ri[:, None] * swr + rh[None, :], mask=wmask, other=0.0)
-            wu = tl.load(wbase + (I + ri[:, None]) * swr + rh[None, :], mask=wmask, other=0.0)
+            wg = tl.load(wbase + ri[:, None] * swr + rh[None, :] * swh, mask=wmask, other=0.0)
+            wu = tl.load(wbase + (I + ri[:, None]) * swr + rh[None, :] * swh, mask=wmask, other=0.0)
             if NATIVE:
                 acc_g += tl.dot(xs, tl.trans(wg))
                 acc_u += tl.dot(xs, tl.trans(wu))
@@ -111,9 +111,6 @@ def moe_experts(x: Float[Tensor, "num_tokens hidden"], w13: Float[Tensor, "exper
         return ref.moe_experts(x, w13, w_down, experts, weights)
     T, K = experts.shape
     E, I, H = w_down.shape
-    if w13.stride(2) != 1 or x.stride(1) != 1:
-        raise ValueError("moe_experts needs x and w13 contiguous along hidden")
-    x = x.contiguous()
     flat = experts.flatten()
     sorted_e, order = torch.sort(flat, stable=True)
     counts = torch.bincount(flat, minlength=E)
@@ -129,7 +126,7 @@ def moe_experts(x: Float[Tensor, "num_tokens hidden"], w13: Float[Tensor, "exper
     BI, BH = 32, 64
     _moe_gate_up_kernel[(P, triton.cdiv(I, BI))](
         x, w13, order, sorted_e, counts, weights.contiguous().view(-1), act, H, I, K,
-        x.stride(0), w13.stride(0), w13.stride(1), BT=BT, BI=BI, BH=BH, NATIVE=native, num_warps=4)
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), BT=BT, BI=BI, BH=BH, NATIVE=native, num_warps=4)
     _moe_down_kernel[(P, triton.cdiv(H, BH))](
         act, w_down, order, sorted_e, counts, out, H, I,
         w_down.stride(0), w_down.stride(1), w_down.stride(2), BT=BT, BI=BI, BH=BH, DOT16=dot16, NATIVE=native,
