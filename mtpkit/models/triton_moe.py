@@ -113,7 +113,8 @@ def moe_experts(x: Float[Tensor, "num_tokens hidden"], w13: Float[Tensor, "exper
     E, I, H = w_down.shape
     flat = experts.flatten()
     sorted_e, order = torch.sort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=E)
+    # Not torch.bincount: on CUDA it reads the largest id on the host, which a graph capture refuses.
+    counts = torch.zeros(E, dtype=flat.dtype, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     P = T * K
     act = torch.empty(P, I, dtype=torch.float32, device=x.device)
     out = torch.empty(P, H, dtype=x.dtype, device=x.device)
