@@ -26,6 +26,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from mtpkit.attn import fp8_matmul, triton_conv, triton_fp8_matmul, triton_gdn, triton_paged  # noqa: E402
+from mtpkit.models import triton_moe  # noqa: E402
 
 SM90_SHARED = 227 * 1024  # the most shared memory one block may use on sm_90
 H200_SMS = 132
@@ -71,7 +72,8 @@ def record(calls) -> list[tuple]:
     saved = (JITFunction.run, triton_paged._sm_count)
     JITFunction.run = fake_run
     triton_paged._sm_count = lambda device: H200_SMS
-    patched = [m for m in (triton_conv, triton_gdn, triton_paged, triton_fp8_matmul) if hasattr(m, "use_reference")]
+    patched = [m for m in (triton_conv, triton_gdn, triton_paged, triton_fp8_matmul, triton_moe)
+               if hasattr(m, "use_reference")]
     originals = [m.use_reference for m in patched]
     for m in patched:
         m.use_reference = kernel_path
@@ -123,6 +125,14 @@ def calls(dtype=torch.bfloat16, bundles=(1, 3, 4), prefill=True):
                        triton_paged.paged_attention_verify(
                            qa, kc, kc, torch.full((R,), ctx, dtype=torch.int64),
                            torch.zeros(R, nb, dtype=torch.int64), D ** -0.5, window, cap, ctx))
+    # The fused MoE at Qwen3-Next's expert shapes (512 experts of 512 x 2048, top 10): one
+    # token, one bundle of 4, eight bundles of 4.
+    E, I, Hd, K = 512, 512, 2048, 10
+    w13, w_down = torch.zeros(E, 2 * I, Hd, dtype=dtype), torch.zeros(E, I, Hd, dtype=dtype)
+    for T in (1, 4, 32):
+        out.append(lambda T=T: triton_moe.moe_experts(
+            torch.zeros(T, Hd, dtype=dtype), w13, w_down, torch.arange(T * K).view(T, K) % E,
+            torch.zeros(T, K, dtype=dtype)))
     if not prefill:
         return out
     # block-scaled FP8 linear layers: Qwen3-Next-80B's o_proj (4096 -> 2048) at decode and prefill sizes

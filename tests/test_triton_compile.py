@@ -3,7 +3,7 @@
 test_triton_kernels.py checks the kernels' numbers under the Triton interpreter, which runs
 them as numpy: it accepts programs a GPU compile refuses and cannot tell whether a tile fits
 in shared memory. Here every launch the entry points make at real layer shapes (Qwen3-Next's
-GDN, conv and head_dim-256 attention, head_dim 512, a sliding window with softcap, bundles 1,
+GDN, conv and head_dim-256 attention, its fused MoE experts, head_dim 512, a sliding window with softcap, bundles 1,
 3 and 4, bf16 and fp32; the block-scaled FP8 matmul at decode and prefill sizes) is compiled for sm_90 through Triton's own ptxas
 (tests/hopper_compile.py, in a process without TRITON_INTERPRET). Compiling says nothing about
 the numbers: on an H200 the same kernels (all but the FP8 matmul, added later) passed test_triton_kernels.py natively
@@ -39,7 +39,8 @@ def test_every_launch_compiles_for_sm90(compiled):
     # every kernel of the backend was launched and compiled
     assert kernels == {"_gdn_verify_kernel", "_gdn_prefill_kernel", "_conv_verify_kernel",
                        "_conv_prefill_out_kernel", "_conv_prefill_state_kernel", "_paged_verify_kernel",
-                       "_merge_splits_kernel", "_paged_prefill_kernel", "_fp8_block_matmul_kernel"}
+                       "_merge_splits_kernel", "_paged_prefill_kernel", "_fp8_block_matmul_kernel",
+                       "_moe_gate_up_kernel", "_moe_down_kernel"}
     failed = [r for r in launches if "error" in r]
     assert not failed, "\n".join(f"{r['kernel']} {r['constexprs']} {r['options']}: {r['error']}" for r in failed)
     assert all(r["cubin_bytes"] > 0 for r in launches)

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from ..errors import ConfigError
+from ..models import moe_experts as moe_ref
 from . import conv, gdn, paged
 
 
@@ -26,6 +27,9 @@ class AttnBackend:
     causal_conv1d_verify: Callable
     gated_delta_rule_prefill: Callable
     gated_delta_rule_verify: Callable
+    # The routed experts of a fixed-shape MoE step (SparseMoE's sparse path): not attention,
+    # but chosen with the same backend (a fused Triton kernel on GPU).
+    moe_experts: Callable = moe_ref.moe_experts
 
 
 TORCH = AttnBackend(

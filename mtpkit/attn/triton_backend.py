@@ -1,5 +1,5 @@
 """The "triton" attention backend: the Triton kernels of triton_gdn / triton_conv /
-triton_paged (flash-attn inside triton_paged where importable and applicable, fla-core's
+triton_paged and the fused MoE experts of models/triton_moe (flash-attn inside triton_paged where importable and applicable, fla-core's
 chunked kernel for GDN prefill where importable), with write_kv from the torch reference.
 
 Importing this module registers the backend; `select_backend` imports it lazily when
@@ -12,6 +12,7 @@ import torch
 
 from ..errors import ConfigError
 from .backend import AttnBackend, register_backend
+from ..models import triton_moe
 from . import triton_conv, triton_gdn, triton_paged
 
 __all__ = ["TRITON", "make_triton_backend"]
@@ -25,6 +26,7 @@ TRITON = AttnBackend(
     causal_conv1d_verify=triton_conv.causal_conv1d_verify,
     gated_delta_rule_prefill=triton_gdn.gated_delta_rule_prefill,
     gated_delta_rule_verify=triton_gdn.gated_delta_rule_verify,
+    moe_experts=triton_moe.moe_experts,
 )
 
 

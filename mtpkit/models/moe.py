@@ -35,14 +35,18 @@ from ..parallel import TP
 from ..shapes import Float, Int, Tensor, checked
 from ..attn.fp8_matmul import dequantize
 from .layers import fp8_linear, linear
+from .moe_experts import moe_experts
 from .weights import WeightSpec, narrow, read, shard_range
 
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden: int, num_experts: int, topk: int, intermediate: int,
-                 shared_intermediate: int, norm_topk: bool, tp: TP):
+                 shared_intermediate: int, norm_topk: bool, tp: TP, ops=None):
         super().__init__()
         self.tp, self.topk, self.norm_topk = tp, topk, norm_topk
+        # The attention backend's moe_experts runs the sparse path's experts (the torch
+        # reference without a backend, or a fused Triton kernel).
+        self.ops = ops
         self.hidden, self.num_experts, self.inter = hidden, num_experts, intermediate
         self.num_local = tp.split(num_experts, what="num_experts")
         self.first = tp.rank * self.num_local  # global id of this rank's first expert
@@ -235,15 +239,20 @@ class SparseMoE(nn.Module):
 
     def _sparse(self, x: Float[Tensor, "num_tokens hidden"], h: Float[Tensor, "num_tokens _"]
                 ) -> Float[Tensor, "num_tokens hidden"]:
-        """Gathers the chosen experts' blocks (token-major, k per token) and runs them as
-        batched matrix-vector products."""
+        """Runs just the chosen experts (moe_experts.py: their blocks gathered, token-major,
+        k per token, as batched matrix-vector products; or the backend's fused kernel)."""
         T, K, E, H, I, S = x.shape[0], self.topk, self.num_experts, self.hidden, self.inter, self.shared_range[1]
         weights, experts = self.route(h[:, :E])
         local, weights = self._local(experts, weights)
+        # Expert e's down columns as an [I, H] block (contiguous when w_out is column-major).
+        down = self.w_out[:, S:].T.view(self.num_local, I, H)
+        if self.fp8_block is None and self.act is F.silu:   # the backend's experts (fused on Triton)
+            run = self.ops.moe_experts if self.ops is not None else moe_experts
+            out = run(x, self.w13, down, local.view(T, K), weights)
+            return out + linear(self._shared_act(h), self.w_out[:, :S]) if self.s else out
         xs = x.repeat_interleave(K, dim=0)[:, :, None]                              # [T*K, H, 1]
         w13 = self.w13.index_select(0, local)
-        # Expert e's down columns as an [I, H] block (contiguous when w_out is column-major).
-        down = self.w_out[:, S:].T.view(self.num_local, I, H).index_select(0, local)
+        down = down.index_select(0, local)
         shared_scale = None
         if self.fp8_block is not None:  # the chosen experts' blocks only, dequantized
             bn, bk = self.fp8_block

@@ -243,7 +243,7 @@ class DecoderLayer(nn.Module):
         if moe:
             self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                                  cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size,
-                                 cfg.norm_topk_prob, tp)
+                                 cfg.norm_topk_prob, tp, ops)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
