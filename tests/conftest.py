@@ -32,6 +32,17 @@ def _single_thread():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """A test that runs examples/serve_batch.py in-process makes accelerate's process state
+    here; a later debug_launcher job would fork it into its ranks, which then never join their
+    group. Every test starts and ends without it."""
+    yield
+    if "accelerate" in sys.modules:
+        from accelerate.state import PartialState
+        PartialState._reset_state()
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory):
     """Factory: (name, seed, with_mtp=True, lm_head_scale=4.0) -> (hf_model, checkpoint path)."""
