@@ -7,6 +7,11 @@ At run time the activation is quantized the same way along K, one scale per toke
 of block_k (dynamic activation scheme), and y = x W^T sums, per K group, the FP8 product of
 the group times the two scales: what serving engines run on Hopper, whose tensor cores take
 FP8 inputs with fp32 accumulation.
+
+Typing: `fp8_block_matmul` (2-D operands, as the kernel takes them) is the typed boundary; the
+helpers around it (quantize / dequantize / expand_scales, fp8_linear_reference) take any
+leading dims (expert stacks, tokens x heads), like the linear family in models/layers.py, so
+their tensors are plain Tensor.
 """
 
 import torch

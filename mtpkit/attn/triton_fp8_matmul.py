@@ -64,6 +64,7 @@ def fp8_block_matmul(xq: Shaped[Tensor, "num_tokens in_features"], x_scale: Floa
 
 
 def fp8_linear(x: Tensor, wq: Tensor, w_scale: Tensor, block: tuple[int, int]) -> Tensor:
+    # Any leading dims of x (the linear family's contract): fp8_block_matmul is the typed boundary.
     """x @ W^T for an FP8 block-scaled W (any leading dims of x), the activation quantized
     per token and group of block_k (in torch: a handful of elementwise ops)."""
     lead = x.shape[:-1]

@@ -6,6 +6,8 @@ Facts it matches are in shared/reference/gemma4.md; transformers 5.24 is the ora
 logits (where the two disagree, transformers' behaviour is what is implemented).
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,7 +20,7 @@ from ..errors import ConfigError
 from ..parallel import TP
 from ..shapes import Float, Int, Tensor, checked
 from .gemma4_config import FULL, Gemma4Config
-from .layers import (ColumnParallelLinear, Linear, MergedColumnParallelLinear, PartialRoPE, RowParallelLinear,
+from .layers import (MLP, ColumnParallelLinear, Linear, MergedColumnParallelLinear, PartialRoPE, RowParallelLinear,
                      linear, vocab_parallel_embedding, vocab_parallel_logits)
 from .moe import SparseMoE
 from .weights import WeightSpec, narrow, read, shard_range
@@ -98,19 +100,10 @@ class Gemma4RoPE(PartialRoPE):
             self.inv_freq_full = torch.cat([inv, inv])
 
 
-class GeluMLP(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x)), gate and up merged."""
+class GeluMLP(MLP):
+    """down(gelu_tanh(gate(x)) * up(x)), gate and up merged (layers.MLP with Gemma's activation)."""
 
-    def __init__(self, hidden: int, intermediate: int, tp: TP):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden, [("gate_proj", intermediate, 1, False), ("up_proj", intermediate, 1, False)], tp)
-        self.down_proj = RowParallelLinear(intermediate, hidden, tp)
-
-    @checked
-    def forward(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens hidden"]:
-        g, u = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(g, approximate="tanh") * u)
+    act = staticmethod(functools.partial(F.gelu, approximate="tanh"))
 
 
 class Gemma4Experts(SparseMoE):
@@ -155,16 +148,7 @@ class Gemma4Experts(SparseMoE):
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"], router_x: Float[Tensor, "num_tokens hidden"]
                 ) -> Float[Tensor, "num_tokens hidden"]:
-        capturing = torch.jit.is_tracing() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-        h = linear(router_x, self.w_in)                          # router logits [T, E]
-        T = x.shape[0]
-        if not capturing and T * self.num_experts > self.dense_limit:
-            out = self._grouped(x, h)
-        elif T * self.topk * self.sparse_share <= self.num_local:
-            out = self._sparse(x, h)
-        else:
-            out = self._dense(x, h)
-        return self.tp.all_reduce(out)
+        return self._experts(x, linear(router_x, self.w_in))     # router logits [T, E]
 
 
 class Router(nn.Module):

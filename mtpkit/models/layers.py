@@ -191,7 +191,8 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
 
 def fp8_linear(x: Tensor, wq: Tensor, scale: Tensor, block: tuple[int, int]) -> Tensor:
     """x @ W^T for a block-scaled FP8 weight: the Triton kernel on CUDA, its torch reference
-    elsewhere (imported lazily: a CPU install has no Triton)."""
+    elsewhere (imported lazily: a CPU install has no Triton). Any leading dims, like `linear`
+    (the kernel entry fp8_block_matmul is the typed boundary)."""
     if x.device.type == "cuda" and _triton_fp8() is not None:
         return _triton_fp8()(x, wq, scale, block)
     from ..attn.fp8_matmul import fp8_linear_reference
@@ -299,7 +300,10 @@ class PartialRoPE(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP (dense layers): gate and up projections merged, then down."""
+    """Gated MLP (dense layers): down(act(gate(x)) * up(x)), gate and up projections merged.
+    SwiGLU (act = silu); a family with another gate activation overrides `act`."""
+
+    act = staticmethod(F.silu)
 
     def __init__(self, hidden: int, intermediate: int, tp: TP):
         super().__init__()
@@ -310,4 +314,4 @@ class MLP(nn.Module):
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens hidden"]:
         g, u = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(g) * u)
+        return self.down_proj(self.act(g) * u)

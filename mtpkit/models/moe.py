@@ -120,7 +120,8 @@ class SparseMoE(nn.Module):
                            lambda t: cat_out(t, "_scale_inv", bk), export_unsupported, keep_dtype=True)]
 
     def _lin(self, x: Tensor, w: Tensor, scale: Tensor | None) -> Tensor:
-        """x @ w^T, through the block-scaled FP8 matmul when the weight is kept in FP8."""
+        """x @ w^T, through the block-scaled FP8 matmul when the weight is kept in FP8. Plain
+        Tensor: the linear family's shape-polymorphic helper (its callers are typed)."""
         return linear(x, w) if self.fp8_block is None else fp8_linear(x, w, scale, self.fp8_block)
 
     # ---- checkpoint layout ----------------------------------------------------------------
@@ -196,11 +197,15 @@ class SparseMoE(nn.Module):
 
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens hidden"]:
-        # A captured or traced graph must not take the grouped path: its shapes follow the routing
-        # (a CUDA capture would fail; a CPU trace would replay the routing it was traced with).
+        return self._experts(x, linear(x, self.w_in))           # [T, E + s + 2S]
+
+    def _experts(self, x: Float[Tensor, "num_tokens hidden"], h: Float[Tensor, "num_tokens _"]
+                 ) -> Float[Tensor, "num_tokens hidden"]:
+        """The routed (and shared) experts on router outputs h, by the path that fits the step.
+        A captured or traced graph must not take the grouped path: its shapes follow the routing
+        (a CUDA capture would fail; a CPU trace would replay the routing it was traced with)."""
         capturing = torch.jit.is_tracing() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
         T = x.shape[0]
-        h = linear(x, self.w_in)                                 # [T, E + s + 2S]
         if not capturing and T * self.num_experts > self.dense_limit:
             out = self._grouped(x, h)
         elif T * self.topk * self.sparse_share <= self.num_local:
