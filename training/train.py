@@ -18,19 +18,8 @@ are trained deeper (one loss weight per pass), and `--distill` mixes into each p
 cross-entropy to the target's own next-token distribution: greedy speculation accepts a draft
 when it equals the target's argmax, not the data's next token.
 
-Corpus: the Python standard library of the running interpreter: every `*.py` file under
-`sysconfig.get_paths()["stdlib"]` except third-party `site-packages` / `dist-packages`
-folders, sorted by path relative to that directory (POSIX form). Held-out split: the file
-at 0-based index i of that list is held out when i % 20 == 0 (`HELDOUT_EVERY`), the rest
-train. A split is the concatenation of its files' raw bytes, each followed by <|endoftext|>.
-
-Tokenizer: byte level, token id = byte value (0..255), plus <|endoftext|> = 256, written as a
-`tokenizers` BPE model without merges and with byte-level pre-tokenizer/decoder: any UTF-8
-text encodes to exactly its bytes and decodes back unchanged.
-
-Windows of T + 2 tokens start at random line starts of the training stream, half of every
-batch at lines that start at column 0 (`line_starts`): prompts start at a line, usually with
-top-level code, and the model should take the start of a sequence to mean that.
+Corpus, held-out split, tokenizer and training windows: training/corpus.py. The loop
+(optimiser, schedule, logs, resumable state): training/loop.py.
 
 A training batch of B windows of T tokens is one prefill step of B requests with fresh, zeroed
 caches (the attention ops write them in place, which autograd records). Parameters are stored
@@ -46,8 +35,6 @@ import json
 import math
 import os
 import shutil
-import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -63,12 +50,14 @@ from mtpkit.models.loader import export_state_dict, load_checkpoint
 from mtpkit.models.moe import SparseMoE
 from mtpkit.models.qwen3_next import GatedDeltaNet, Qwen3NextForCausalLM
 from mtpkit.shapes import Bool, Float, Int, Tensor
+from training import loop
+from training.corpus import (EOS_ID, EOS_TOKEN, HELDOUT_EVERY, VOCAB_SIZE, build_tokenizer,  # noqa: F401
+                             check_tokenizer, corpus_files, encode_bytes, heldout_documents, heldout_windows,
+                             line_starts, load_split, sample_batch, sample_generated, split_files, stdlib_dir,
+                             tokenizer_probe_texts)
+from training.loop import lr_at, make_optimizer  # noqa: F401 (part of this module's interface)
 
-EOS_TOKEN = "<|endoftext|>"
-EOS_ID = 256
-VOCAB_SIZE = 257
-HELDOUT_EVERY = 20
-DEFAULT_OUT = Path(__file__).resolve().parent / "assets" / "tiny-qwen3-next"
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "mtpkit" / "assets" / "tiny-qwen3-next"
 
 # ---------------------------------------------------------------------------------------
 # Model sizes (Hugging Face Qwen3NextConfig kwargs)
@@ -123,111 +112,6 @@ def hf_config(kwargs: dict, dtype: str = "bfloat16"):
 def mtpkit_config(kwargs: dict) -> Qwen3NextConfig:
     """mtpkit's config, read from the same dict config.json holds."""
     return Qwen3NextConfig.from_dict(json.loads(hf_config(kwargs).to_json_string()), where="train.py")
-
-
-# ---------------------------------------------------------------------------------------
-# Corpus and tokenizer
-
-
-def stdlib_dir() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def corpus_files(root: Path | None = None) -> list[Path]:
-    """Every *.py file of the standard library, sorted by relative POSIX path, without the
-    third-party site-packages / dist-packages folders that may sit inside it."""
-    root = root or stdlib_dir()
-    files = [p for p in root.rglob("*.py")
-             if p.is_file() and not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def split_files(files: list[Path]) -> tuple[list[Path], list[Path]]:
-    """(train, heldout): file i (0-based, in corpus_files order) is held out when i % 20 == 0."""
-    train = [f for i, f in enumerate(files) if i % HELDOUT_EVERY != 0]
-    heldout = [f for i, f in enumerate(files) if i % HELDOUT_EVERY == 0]
-    return train, heldout
-
-
-def encode_bytes(data: bytes) -> list[int]:
-    """The tokenizer's encoding of UTF-8 text, computed from its bytes (id = byte value)."""
-    return list(data)
-
-
-def load_split(split: str, root: Path | None = None) -> torch.Tensor:
-    """int16 token stream of a split: file bytes, each file followed by <|endoftext|>."""
-    train, heldout = split_files(corpus_files(root))
-    files = {"train": train, "heldout": heldout}[split]
-    data, ends = bytearray(), []
-    for f in files:
-        data += f.read_bytes()
-        ends.append(len(data))
-    out = torch.frombuffer(data, dtype=torch.uint8).to(torch.int16) if data else torch.zeros(0, dtype=torch.int16)
-    # Insert <|endoftext|> after every file: file k's bytes shift right by k.
-    ends_t = torch.tensor(ends, dtype=torch.int64)
-    eos_at = ends_t + torch.arange(len(ends))
-    stream = torch.full((len(data) + len(ends),), EOS_ID, dtype=torch.int16)
-    keep = torch.ones(stream.numel(), dtype=torch.bool)
-    keep[eos_at] = False
-    stream[keep] = out
-    return stream
-
-
-def heldout_documents(root: Path | None = None) -> list[tuple[str, bytes]]:
-    """(relative path, bytes) of every held-out file."""
-    root = root or stdlib_dir()
-    _, heldout = split_files(corpus_files(root))
-    return [(f.relative_to(root).as_posix(), f.read_bytes()) for f in heldout]
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table (what ByteLevel uses)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
-def build_tokenizer():
-    """Byte-level tokenizer: id = byte value, <|endoftext|> = 256, exact UTF-8 round trip."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    table = _bytes_to_unicode()
-    vocab = {table[b]: b for b in range(256)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
-    assert tok.token_to_id(EOS_TOKEN) == EOS_ID and tok.get_vocab_size() == VOCAB_SIZE
-    return tok
-
-
-def check_tokenizer(tok, texts: list[str]) -> None:
-    """Every text must encode to its UTF-8 bytes and decode back unchanged."""
-    for t in texts:
-        ids = tok.encode(t).ids
-        if ids != list(t.encode("utf-8")):
-            raise AssertionError(f"tokenizer does not encode {t[:40]!r} to its bytes")
-        if tok.decode(ids) != t:
-            raise AssertionError(f"tokenizer does not round-trip {t[:40]!r}")
-
-
-def _tokenizer_probe_texts(seed: int = 0) -> list[str]:
-    g = torch.Generator().manual_seed(seed)
-    texts = ["", " ", "  leading and trailing  ", "def f(x):\n\treturn x  # done\r\n",
-             "naïve café — ünïcödé ✓ 日本語 한국어 🐍🚀 \x00\x01\x7f", "\u200b\ufeff\U0010ffff"]
-    for n in (1, 7, 64, 300):  # random code points of every UTF-8 length (no surrogates)
-        cps = torch.randint(0, 0x10FFFF, (n,), generator=g).tolist()
-        texts.append("".join(chr(c) for c in cps if not 0xD800 <= c <= 0xDFFF))
-        ascii_ = torch.randint(0, 128, (n,), generator=g).tolist()
-        texts.append("".join(chr(c) for c in ascii_))
-    return texts
 
 
 # ---------------------------------------------------------------------------------------
@@ -322,7 +206,7 @@ def verify_export(model: Qwen3NextForCausalLM, path: Path, dtype: torch.dtype) -
         want = p.detach().to(dtype).float()
         if not torch.equal(theirs[name], want):
             raise AssertionError(f"exported checkpoint does not reload {name} exactly")
-    check_tokenizer(Tokenizer.from_file(str(path / "tokenizer.json")), _tokenizer_probe_texts())
+    check_tokenizer(Tokenizer.from_file(str(path / "tokenizer.json")), tokenizer_probe_texts())
 
 
 # ---------------------------------------------------------------------------------------
@@ -517,55 +401,6 @@ def set_trainable(model: Qwen3NextForCausalLM, part: str) -> None:
         p.requires_grad_(part == "all" or name.startswith("mtp."))
 
 
-def lr_at(step: int, a: TrainArgs) -> float:
-    """Linear warmup, then cosine decay to min_lr_ratio * lr at the last step."""
-    if step < a.warmup:
-        return a.lr * (step + 1) / a.warmup
-    t = (step - a.warmup) / max(a.steps - a.warmup, 1)
-    return a.lr * (a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
-
-
-def make_optimizer(model: Qwen3NextForCausalLM, a: TrainArgs) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices (and the experts), none on norms, A_log, dt_bias, conv."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (decay if p.ndim >= 2 and not name.endswith("conv_weight") else no_decay).append(p)
-    return torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
-
-
-def line_starts(data: Int[Tensor, "seq_len"], T: int, top_level: bool = False) -> Int[Tensor, "..."]:
-    """Offsets of every line start (after a newline or <|endoftext|>, and 0) that leaves room
-    for a window of T + 2 tokens; with top_level, only lines that start with code at column 0
-    (not a space, tab, newline or <|endoftext|>)."""
-    prev = data[:-1]
-    starts = torch.nonzero((prev == ord("\n")) | (prev == EOS_ID)).flatten() + 1
-    starts = torch.cat([torch.zeros(1, dtype=starts.dtype), starts])
-    starts = starts[starts <= data.numel() - (T + 2)]
-    if top_level:
-        first = data[starts].long()
-        starts = starts[(first != ord(" ")) & (first != ord("\t")) & (first != ord("\n")) & (first != EOS_ID)]
-    return starts
-
-
-def sample_batch(data: Int[Tensor, "seq_len"], B: int, T: int, g: torch.Generator,
-                 starts: Int[Tensor, "..."] | None = None, top_starts: Int[Tensor, "..."] | None = None,
-                 top_fraction: float = 0.0) -> Int[Tensor, "num_reqs seq_len"]:
-    """B windows of T + 2 tokens at random offsets, or at random entries of `starts`; the
-    first round(B * top_fraction) of them at random entries of `top_starts`."""
-    n_top = round(B * top_fraction) if top_starts is not None else 0
-    if starts is None:
-        offsets = torch.randint(0, data.numel() - (T + 2), (B - n_top,), generator=g)
-    else:
-        offsets = starts[torch.randint(0, starts.numel(), (B - n_top,), generator=g)]
-    if n_top:
-        offsets = torch.cat([top_starts[torch.randint(0, top_starts.numel(), (n_top,), generator=g)], offsets])
-    return torch.stack([data[s:s + T + 2] for s in offsets.tolist()]).long()
-
-
 @torch.no_grad()
 def evaluate(model: Qwen3NextForCausalLM, windows: Int[Tensor, "num_reqs seq_len"], batch: int,
              mtp_depth: int = 1) -> dict:
@@ -594,7 +429,7 @@ def evaluate(model: Qwen3NextForCausalLM, windows: Int[Tensor, "num_reqs seq_len
 
 
 def generate_continuations(model_dir: Path, n: int, prompt_len: int, new_tokens: int, seed: int,
-                           log=print) -> Int[Tensor, "num_reqs seq_len"]:
+                           log=print, num_spec: int = 3) -> Int[Tensor, "num_reqs seq_len"]:
     """[n, prompt_len + new_tokens]: line-aligned training-split prompts (half of them at
     column-0 lines, as in training) followed by the checkpoint's greedy continuation. At
     inference the MTP passes read text the target wrote itself; its greedy continuations are
@@ -607,38 +442,17 @@ def generate_continuations(model_dir: Path, n: int, prompt_len: int, new_tokens:
     starts = line_starts(data, prompt_len)
     windows = sample_batch(data, n, prompt_len - 2, g, starts, line_starts(data, prompt_len, top_level=True), 0.5)
     prompts = windows.tolist()
-    llm = LLM(model_dir, num_spec=3, max_num_seqs=32, dtype="float32", device="cpu",
+    llm = LLM(model_dir, num_spec=num_spec, max_num_seqs=32, dtype="float32", device="cpu",
               max_model_len=prompt_len + new_tokens + 8)
     t = time.time()
     outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
     log(f"generated {n} x {new_tokens} tokens in {time.time() - t:.0f} s "
-        f"(MTP acceptance {llm.stats.mean_acceptance_length:.2f})")
+        + (f"(acceptance {llm.stats.mean_acceptance_length:.2f})" if num_spec else ""))
     return torch.tensor([p + o.token_ids for p, o in zip(prompts, outs)], dtype=torch.int16)
 
 
-def sample_generated(seqs: Int[Tensor, "num_seqs total_len"], B: int, T: int, g: torch.Generator
-                     ) -> Int[Tensor, "num_reqs seq_len"]:
-    """B windows of T + 2 tokens at random offsets of random generated sequences."""
-    rows = torch.randint(0, seqs.shape[0], (B,), generator=g)
-    offsets = torch.randint(0, seqs.shape[1] - (T + 2) + 1, (B,), generator=g)
-    return torch.stack([seqs[r, o:o + T + 2] for r, o in zip(rows.tolist(), offsets.tolist())]).long()
-
-
-def heldout_windows(n: int, T: int, seed: int) -> torch.Tensor:
-    data = load_split("heldout")
-    return sample_batch(data, n, T, torch.Generator().manual_seed(seed + 12345))
-
-
-def _save_state(path: Path, state: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def train(a: TrainArgs, log=print) -> Qwen3NextForCausalLM:
-    torch.set_num_threads(a.threads)
-    work = Path(a.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
+def qwen_stage(a: TrainArgs, log=print) -> loop.Stage:
+    """The tiny-qwen3-next stage `a` describes, for training.loop.run."""
     kwargs = SIZES[a.size]
     mtp_depth = len(a.mtp_weights)
     t_start = time.time()
@@ -661,103 +475,58 @@ def train(a: TrainArgs, log=print) -> Qwen3NextForCausalLM:
         if not (a.init_from and a.train_part == "mtp"):
             raise SystemExit("--generated-fraction needs --init-from and --train-part mtp: the data are "
                              "that checkpoint's own continuations, valid while its target stays frozen")
-        gen_path = work / "generated.pt"
-        if gen_path.exists():
-            generated = torch.load(gen_path)
-        else:
-            generated = generate_continuations(Path(a.init_from), a.generated_prompts, 64, a.generated_tokens,
-                                               a.seed, log)
-            torch.save(generated, gen_path)
-        if generated.shape[1] < a.seq_len + 2:
-            raise SystemExit(f"generated sequences of {generated.shape[1]} tokens are shorter than "
-                             f"--seq-len + 2 = {a.seq_len + 2}; raise --generated-tokens")
-    opt = make_optimizer(model, a)
-    g = torch.Generator().manual_seed(a.seed)
-    step, elapsed_before = 0, 0.0
-    state_path = work / "train_state.pt"
-    if state_path.exists():
-        st = torch.load(state_path, weights_only=False)
-        if st["args"] != dataclasses.asdict(a):
-            raise SystemExit(f"{state_path} was written with other arguments; remove it or use "
-                             f"another --work-dir\n  saved: {st['args']}\n  now:   {dataclasses.asdict(a)}")
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        g.set_state(st["rng"])
-        step, elapsed_before = st["step"], st["elapsed"]
-        log(f"resumed from {state_path} at step {step}")
-    (work / "args.json").write_text(json.dumps(dataclasses.asdict(a), indent=2))
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"size {a.size}: {n_params:,} parameters ({n_params * 2 / 1e6:.2f} MB in bf16); "
-        f"{data.numel():,} training tokens; {a.steps} steps of {a.batch}x{a.seq_len} tokens; "
-        f"data ready in {time.time() - t_start:.1f}s")
-    loss_log = (work / "loss.tsv").open("a")
-    if step == 0:
-        mtp_cols = "".join(f"mtp{j + 1}\t" for j in range(max(mtp_depth, 2)))
-        loss_log.write(f"step\ttokens\tlr\tloss\tntp\t{mtp_cols}balance\tmax_load\tgrad_norm\telapsed_s\n")
+        generated = cached_continuations(Path(a.work_dir), Path(a.init_from), a.generated_prompts,
+                                         a.generated_tokens, a.seed, a.seq_len, log)
     probe = RouterProbe(model, kwargs["num_experts_per_tok"]) if a.balance_coef > 0 else None
-    t0, tokens_per_step = time.time() - elapsed_before, a.batch * a.seq_len
-    model.train()
-    while step < a.steps:
-        lr = lr_at(step, a)
-        for group in opt.param_groups:
-            group["lr"] = lr
+    mtp_cols = tuple(f"mtp{j + 1}" for j in range(max(mtp_depth, 2)))
+
+    def step(i: int, g: torch.Generator):
         batch = sample_batch(data, a.batch, a.seq_len, g, starts, top_starts, a.top_level_fraction)
         if generated is not None:  # the last n_gen windows from the generated continuations
             batch[a.batch - n_gen:] = sample_generated(generated, n_gen, a.seq_len, g)
         out = forward_losses(model, batch, mtp_depth, a.train_part == "mtp", a.distill, a.mtp_keys)
         loss = (out["ntp"] if a.train_part == "all" else 0.0) + sum(w * l for w, l in zip(a.mtp_weights, out["mtp"]))
+        # (The router probe's hooks also see the evaluation's forwards: their router logits
+        # join the next step's balance loss, so --eval-every is part of a run's recipe. Kept
+        # as it is: the embedded checkpoint was trained this way and its commands reproduce it.)
         bal, max_load = probe.loss() if probe is not None else (torch.zeros(()), 0.0)
         loss = loss + a.balance_coef * bal
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], a.clip)
-        opt.step()
-        step += 1
-        elapsed = time.time() - t0
         mtp = [l.item() for l in out["mtp"]] + [float("nan")] * max(2 - mtp_depth, 0)
-        loss_log.write(f"{step}\t{step * tokens_per_step}\t{lr:.3e}\t{loss.item():.4f}\t{out['ntp'].item():.4f}\t"
-                       + "".join(f"{m:.4f}\t" for m in mtp) + f"{bal.item():.4f}\t{max_load:.2f}\t{float(gn):.3f}\t"
-                       f"{elapsed:.1f}\n")
-        loss_log.flush()
-        if step % 10 == 0 or step == 1:
-            log(f"step {step}/{a.steps} loss {loss.item():.4f} ntp {out['ntp'].item():.4f} "
-                f"mtp {' '.join(f'{m:.4f}' for m in mtp[:mtp_depth])} lr {lr:.2e} gn {float(gn):.2f} "
-                f"load {max_load:.2f} {step * tokens_per_step / elapsed:.0f} tok/s {elapsed / 60:.1f} min")
-        if step % a.eval_every == 0 or step == a.steps:
-            # (The router probe's hooks also see these forwards: their router logits join the
-            # next step's balance loss, so --eval-every is part of a run's recipe. Kept as it
-            # is: the embedded checkpoint was trained this way and its commands reproduce it.)
-            model.eval()
-            ev = evaluate(model, val, a.batch, mtp_depth)
-            model.train()
-            log(f"eval step {step}: " + " ".join(f"{k} {v:.4f}" for k, v in ev.items()))
-            with (work / "eval.tsv").open("a") as f:
-                f.write(json.dumps({"step": step, "elapsed": elapsed, **ev}) + "\n")
-        if step % a.save_every == 0 or step == a.steps:
-            _save_state(state_path, {"model": model.state_dict(), "opt": opt.state_dict(),
-                                     "rng": g.get_state(), "step": step, "elapsed": time.time() - t0,
-                                     "args": dataclasses.asdict(a)})
-        if step % a.export_every == 0 and step < a.steps:
-            try:  # an intermediate export is a convenience: never let it stop the run
-                export_checkpoint(model, kwargs, work / "export", DTYPES[a.dtype])
-                log(f"exported step {step} to {work / 'export'}")
-            except Exception as e:  # noqa: BLE001 (an export failure must not stop training)
-                log(f"export at step {step} failed ({type(e).__name__}: {e}); training goes on")
-    if probe is not None:
-        for h in probe.handles:
-            h.remove()
-    loss_log.close()
-    total = time.time() - t0
-    log(f"trained {a.steps} steps, {a.steps * tokens_per_step:,} tokens in {total / 60:.1f} min")
-    export_checkpoint(model, kwargs, Path(a.out_dir), DTYPES[a.dtype])
-    export_checkpoint(model, kwargs, work / "export", DTYPES[a.dtype])
-    (work / "summary.json").write_text(json.dumps({
-        "size": a.size, "parameters": n_params, "steps": a.steps, "tokens": a.steps * tokens_per_step,
-        "train_tokens_available": int(data.numel()), "wall_s": total,
-        "python": sys.version.split()[0], "torch": torch.__version__}, indent=2))
-    log(f"wrote {a.out_dir}")
-    return model
+        return loss, {"ntp": out["ntp"].item(), **dict(zip(mtp_cols, mtp)), "balance": bal.item(),
+                      "max_load": max_load}
 
+    n_params = sum(p.numel() for p in model.parameters())
+    return loop.Stage(
+        model=model, columns=("ntp", *mtp_cols, "balance", "max_load"), step=step,
+        evaluate=lambda: evaluate(model, val, a.batch, mtp_depth),
+        export=lambda d: export_checkpoint(model, kwargs, d, DTYPES[a.dtype]),
+        tokens_per_step=a.batch * a.seq_len,
+        summary={"size": a.size, "parameters": n_params, "train_tokens_available": int(data.numel())},
+        close=lambda: [h.remove() for h in (probe.handles if probe is not None else [])],
+        describe=f"size {a.size}: {n_params:,} parameters ({n_params * 2 / 1e6:.2f} MB in bf16); "
+                 f"{data.numel():,} training tokens; {a.steps} steps of {a.batch}x{a.seq_len} tokens; "
+                 f"data ready in {time.time() - t_start:.1f}s")
+
+
+def cached_continuations(work: Path, init_from: Path, n: int, new_tokens: int, seed: int, seq_len: int,
+                         log=print, num_spec: int = 3) -> Int[Tensor, "num_seqs total_len"]:
+    """generate_continuations of init_from, made once into work/generated.pt."""
+    work.mkdir(parents=True, exist_ok=True)
+    gen_path = work / "generated.pt"
+    if gen_path.exists():
+        generated = torch.load(gen_path)
+    else:
+        generated = generate_continuations(init_from, n, 64, new_tokens, seed, log, num_spec=num_spec)
+        torch.save(generated, gen_path)
+    if generated.shape[1] < seq_len + 2:
+        raise SystemExit(f"generated sequences of {generated.shape[1]} tokens are shorter than "
+                         f"--seq-len + 2 = {seq_len + 2}; raise --generated-tokens")
+    return generated
+
+
+def train(a: TrainArgs, log=print) -> Qwen3NextForCausalLM:
+    torch.set_num_threads(a.threads)
+    return loop.run(qwen_stage(a, log), a, log)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
