@@ -33,8 +33,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -46,11 +44,12 @@ from mtpkit.attn.metadata import PrefillChunk, PrefillMetadata, build_prefill
 from mtpkit.models.qwen3_next_config import FULL, LINEAR, Qwen3NextConfig
 from mtpkit.engine.cache import CacheTensors, allocate_cache
 from mtpkit.models.layers import GatedRMSNorm, Linear, RMSNorm
-from mtpkit.models.loader import export_state_dict, load_checkpoint
+from mtpkit.models.loader import load_checkpoint
 from mtpkit.models.moe import SparseMoE
 from mtpkit.models.qwen3_next import GatedDeltaNet, Qwen3NextForCausalLM
 from mtpkit.shapes import Bool, Float, Int, Tensor
 from training import loop
+from training.checkpoint import DTYPES, dtype_name, hf_state_dict, verify_reload, write_checkpoint  # noqa: F401
 from training.corpus import (EOS_ID, EOS_TOKEN, HELDOUT_EVERY, VOCAB_SIZE, build_tokenizer,  # noqa: F401
                              check_tokenizer, corpus_files, encode_bytes, heldout_documents, heldout_windows,
                              line_starts, load_split, sample_batch, sample_generated, split_files, stdlib_dir,
@@ -161,52 +160,16 @@ def init_parameters(model: Qwen3NextForCausalLM, seed: int, std: float = 0.02) -
         p.requires_grad_(True)
 
 
-def hf_state_dict(model: Qwen3NextForCausalLM, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """mtpkit parameters under their Hugging Face checkpoint names and shapes, in `dtype`
-    (the loader's inverse, mtpkit.models.loader.export_state_dict)."""
-    return {n: t.detach().to("cpu", dtype).contiguous().clone() for n, t in export_state_dict(model).items()}
-
-
 def export_checkpoint(model: Qwen3NextForCausalLM, kwargs: dict, out_dir: Path,
                       dtype: torch.dtype = torch.bfloat16, verify: bool = True) -> Path:
     """Write config.json, generation_config.json, model.safetensors and tokenizer.json."""
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig
-
-    dtype_name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    hf_config(kwargs, dtype_name).save_pretrained(str(tmp))
-    GenerationConfig(eos_token_id=EOS_ID).save_pretrained(str(tmp))
-    save_file(hf_state_dict(model, dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    build_tokenizer().save(str(tmp / "tokenizer.json"))
-    if verify:
-        verify_export(model, tmp, dtype)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for f in tmp.iterdir():  # keep other files of out_dir (README.md)
-        f.chmod(0o644)  # safetensors writes 0600; the files ship as package data
-        os.replace(f, out_dir / f.name)
-    tmp.rmdir()
-    return out_dir
+    return write_checkpoint(out_dir, hf_config(kwargs, dtype_name(dtype)), hf_state_dict(model, dtype),
+                            (lambda tmp: verify_export(model, tmp, dtype)) if verify else None)
 
 
-@torch.no_grad()
 def verify_export(model: Qwen3NextForCausalLM, path: Path, dtype: torch.dtype) -> None:
     """Reload with mtpkit's own loader: every parameter must come back (rounded to dtype)."""
-    from tokenizers import Tokenizer
-
-    cfg = Qwen3NextConfig.from_file(path)
-    fresh = Qwen3NextForCausalLM(cfg, ops=TORCH, with_mtp=True)
-    load_checkpoint(fresh, path, torch.float32, torch.device("cpu"))
-    theirs = dict(fresh.named_parameters())
-    for name, p in model.named_parameters():
-        want = p.detach().to(dtype).float()
-        if not torch.equal(theirs[name], want):
-            raise AssertionError(f"exported checkpoint does not reload {name} exactly")
-    check_tokenizer(Tokenizer.from_file(str(path / "tokenizer.json")), tokenizer_probe_texts())
+    verify_reload(model, Qwen3NextForCausalLM(Qwen3NextConfig.from_file(path), ops=TORCH, with_mtp=True), path, dtype)
 
 
 # ---------------------------------------------------------------------------------------
@@ -527,9 +490,6 @@ def cached_continuations(work: Path, init_from: Path, n: int, new_tokens: int, s
 def train(a: TrainArgs, log=print) -> Qwen3NextForCausalLM:
     torch.set_num_threads(a.threads)
     return loop.run(qwen_stage(a, log), a, log)
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
 
 def export_from_state(a: TrainArgs, log=print) -> Path:
     """Export the model saved in work_dir/train_state.pt (e.g. the final one) to out_dir."""
