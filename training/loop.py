@@ -84,7 +84,7 @@ def _run(stage: Stage, a, log) -> nn.Module:
     model, args = stage.model, dataclasses.asdict(a)
     opt = make_optimizer(model, a)
     g = torch.Generator().manual_seed(a.seed)
-    step, elapsed_before = 0, 0.0
+    step, elapsed_before, cpu_before = 0, 0.0, 0.0
     state_path = work / "train_state.pt"
     if state_path.exists():
         st = torch.load(state_path, weights_only=False)
@@ -94,7 +94,7 @@ def _run(stage: Stage, a, log) -> nn.Module:
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         g.set_state(st["rng"])
-        step, elapsed_before = st["step"], st["elapsed"]
+        step, elapsed_before, cpu_before = st["step"], st["elapsed"], st.get("cpu", 0.0)
         log(f"resumed from {state_path} at step {step}")
     (work / "args.json").write_text(json.dumps(args, indent=2))
     if stage.describe:
@@ -102,7 +102,9 @@ def _run(stage: Stage, a, log) -> nn.Module:
     loss_log = (work / "loss.tsv").open("a")
     if step == 0:
         loss_log.write("step\ttokens\tlr\tloss\t" + "".join(f"{c}\t" for c in stage.columns) + "grad_norm\telapsed_s\n")
-    t0, tokens_per_step = time.time() - elapsed_before, stage.tokens_per_step
+    # Wall time, and this process's CPU time (on a shared machine the better measure of what a
+    # stage costs on one thread; both carry over a resume).
+    t0, c0, tokens_per_step = time.time() - elapsed_before, time.process_time() - cpu_before, stage.tokens_per_step
     trainable = [p for p in model.parameters() if p.requires_grad]
     model.train()
     while step < a.steps:
@@ -134,7 +136,8 @@ def _run(stage: Stage, a, log) -> nn.Module:
                 f.write(json.dumps({"step": step, "elapsed": elapsed, **ev}) + "\n")
         if step % a.save_every == 0 or step == a.steps:
             save_state(state_path, {"model": model.state_dict(), "opt": opt.state_dict(), "rng": g.get_state(),
-                                    "step": step, "elapsed": time.time() - t0, "args": args})
+                                    "step": step, "elapsed": time.time() - t0, "cpu": time.process_time() - c0,
+                                    "args": args})
         if step % a.export_every == 0 and step < a.steps:
             try:  # an intermediate export is a convenience: never let it stop the run
                 stage.export(work / "export")
@@ -142,12 +145,13 @@ def _run(stage: Stage, a, log) -> nn.Module:
             except Exception as e:  # noqa: BLE001 (an export failure must not stop training)
                 log(f"export at step {step} failed ({type(e).__name__}: {e}); training goes on")
     loss_log.close()
-    total = time.time() - t0
-    log(f"trained {a.steps} steps, {a.steps * tokens_per_step:,} tokens in {total / 60:.1f} min")
+    total, cpu = time.time() - t0, time.process_time() - c0
+    log(f"trained {a.steps} steps, {a.steps * tokens_per_step:,} tokens in {total / 60:.1f} min "
+        f"({cpu / 60:.1f} min of CPU time)")
     stage.export(Path(a.out_dir))
     stage.export(work / "export")
     (work / "summary.json").write_text(json.dumps({
-        **stage.summary, "steps": a.steps, "tokens": a.steps * tokens_per_step, "wall_s": total,
+        **stage.summary, "steps": a.steps, "tokens": a.steps * tokens_per_step, "wall_s": total, "cpu_s": cpu,
         "python": sys.version.split()[0], "torch": torch.__version__}, indent=2))
     log(f"wrote {a.out_dir}")
     return model
