@@ -29,20 +29,14 @@ from mtpkit.models.qwen3_next_config import Qwen3NextConfig
 from mtpkit.models.loader import load_checkpoint
 from mtpkit.models.qwen3_next import Qwen3NextForCausalLM
 from mtpkit.models.registry import resolve_model
-from training.train import evaluate, heldout_documents, load_split
+from training.corpus import heldout_prompts, spaced_heldout_windows as heldout_windows
+from training.train import evaluate
 
 
 def load_model(path: Path) -> Qwen3NextForCausalLM:
     model = Qwen3NextForCausalLM(Qwen3NextConfig.from_file(path), ops=TORCH, with_mtp=True)
     load_checkpoint(model, path, torch.float32, torch.device("cpu"))
     return model.eval()
-
-
-def heldout_windows(num: int, T: int) -> torch.Tensor:
-    """`num` windows of T + 2 tokens at evenly spaced offsets of the held-out stream."""
-    data = load_split("heldout")
-    starts = torch.linspace(0, data.numel() - (T + 2), num).long().tolist()
-    return torch.stack([data[s:s + T + 2] for s in starts]).long()
 
 
 @torch.inference_mode()
@@ -53,18 +47,6 @@ def teacher_forced(model: Qwen3NextForCausalLM, windows: torch.Tensor, batch: in
     return {"tokens": ev["tokens"], "ntp_bits_per_byte": ev["ntp"] / ln2, "ntp_accuracy": ev["ntp_acc"],
             "mtp1_bits_per_byte": ev["mtp1"] / ln2, "mtp1_accuracy": ev["mtp1_acc"],
             "mtp1_agrees_with_target_greedy": ev["mtp1_agree"]}
-
-
-def heldout_prompts(num: int, length: int) -> list[tuple[str, list[int]]]:
-    """`num` prompts of `length` tokens from evenly spaced held-out files (those long enough):
-    each starts at the first line start after a third of its file."""
-    docs = [(name, data) for name, data in heldout_documents() if len(data) >= 3 * length]
-    pick = [docs[int(i * len(docs) / num)] for i in range(num)]
-    prompts = []
-    for name, data in pick:
-        start = data.find(b"\n", len(data) // 3) + 1
-        prompts.append((name, list(data[start:start + length])))
-    return prompts
 
 
 def speculation(path: Path, prompts: list[list[int]], new_tokens: int, num_specs: list[int],

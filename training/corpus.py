@@ -172,3 +172,23 @@ def sample_generated(seqs: Int[Tensor, "num_seqs total_len"], B: int, T: int, g:
 def heldout_windows(n: int, T: int, seed: int) -> torch.Tensor:
     data = load_split("heldout")
     return sample_batch(data, n, T, torch.Generator().manual_seed(seed + 12345))
+
+
+def spaced_heldout_windows(num: int, T: int) -> torch.Tensor:
+    """`num` windows of T + 2 tokens at evenly spaced offsets of the held-out stream (the
+    benchmarks' teacher-forced evaluation)."""
+    data = load_split("heldout")
+    starts = torch.linspace(0, data.numel() - (T + 2), num).long().tolist()
+    return torch.stack([data[s:s + T + 2] for s in starts]).long()
+
+
+def heldout_prompts(num: int, length: int) -> list[tuple[str, list[int]]]:
+    """`num` prompts of `length` tokens from evenly spaced held-out files (those long enough):
+    each starts at the first line start after a third of its file."""
+    docs = [(name, data) for name, data in heldout_documents() if len(data) >= 3 * length]
+    pick = [docs[int(i * len(docs) / num)] for i in range(num)]
+    prompts = []
+    for name, data in pick:
+        start = data.find(b"\n", len(data) // 3) + 1
+        prompts.append((name, list(data[start:start + length])))
+    return prompts
