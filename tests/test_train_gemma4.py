@@ -214,14 +214,14 @@ def test_stages_run_a_few_steps(tmp_path):
     try:
         GT.main(["target", *common, "--work-dir", str(tmp_path / "tw"), "--out-dir", str(tdir)])
         GT.main(["assistant", *common, "--queries", "6", "--target", str(tdir), "--work-dir", str(tmp_path / "aw"),
-                 "--out-dir", str(adir)])
+                 "--out-dir", str(adir), "--generated-prompts", "3", "--generated-tokens", "8"])
         before = (adir / "model.safetensors").read_bytes()
         GT.main(["centroids", *common, "--queries", "6", "--target", str(tdir), "--init-from", str(adir),
                  "--work-dir", str(tmp_path / "cw"), "--out-dir", str(cdir)])
     finally:
         torch.set_num_threads(threads)     # the stages set their own
     assert (adir / "model.safetensors").read_bytes() == before
-    for work, cols in (("tw", ["ntp"]), ("aw", ["step1", "step2", "step3", "step4"]), ("cw", ["ce", "recall"])):
+    for work, cols in (("tw", ["ntp"]), ("aw", [f"step{k}" for k in range(1, 7)]), ("cw", ["ce", "recall"])):
         header, *rows = (tmp_path / work / "loss.tsv").read_text().splitlines()
         assert header.split("\t")[4:-2] == cols and len(rows) == 2
     assert json.loads((tdir / "mtpkit.json").read_text()) == {"default_drafter": "tiny-gemma4-assistant"}
@@ -232,6 +232,10 @@ def test_stages_run_a_few_steps(tmp_path):
     ids = [ord(c) for c in "def f(x):\n"]
     out = LLM(tdir, dtype="float32", enforce_eager=True).generate([ids], SamplingParams(max_tokens=8, ignore_eos=True))
     assert O.check_greedy_against_hf(hf, ids, out[0].token_ids).ok
+    # half of each assistant batch came from the target's own greedy continuations (made once)
+    gen = torch.load(tmp_path / "aw" / "generated.pt")
+    assert gen.shape == (3, 64 + 8)
+    assert all(O.check_greedy_against_hf(hf, row[:64], row[64:]).ok for row in gen.tolist())
     # the centroid stage trained only the centroids; the ordering is a permutation
     from safetensors.torch import load_file
     plain, cen = load_file(str(adir / "model.safetensors")), load_file(str(cdir / "model.safetensors"))

@@ -85,7 +85,7 @@ class AssistantArgs:
     batch: int = 8
     seq_len: int = 256                      # target positions per window
     queries: int = 64                       # rounds drawn per window (0: all seq_len - 1)
-    step_weights: tuple[float, ...] = (1.0, 0.8, 0.6, 0.5)   # one per draft step (their number: depth)
+    step_weights: tuple[float, ...] = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3)   # one per draft step (their number: depth)
     distill: float = 0.7
     lr: float = 1.5e-3
     min_lr_ratio: float = 0.1
@@ -102,7 +102,7 @@ class AssistantArgs:
     eval_windows: int = 16
     dtype: str = "bfloat16"
     top_level_fraction: float = 0.5
-    generated_fraction: float = 0.0         # share of each batch from the target's greedy continuations
+    generated_fraction: float = 0.5         # share of each batch from the target's greedy continuations
     generated_prompts: int = 2000
     generated_tokens: int = 200
 
