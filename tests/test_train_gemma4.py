@@ -217,7 +217,8 @@ def test_stages_run_a_few_steps(tmp_path):
                  "--out-dir", str(adir), "--generated-prompts", "3", "--generated-tokens", "8"])
         before = (adir / "model.safetensors").read_bytes()
         GT.main(["centroids", *common, "--queries", "6", "--target", str(tdir), "--init-from", str(adir),
-                 "--work-dir", str(tmp_path / "cw"), "--out-dir", str(cdir)])
+                 "--work-dir", str(tmp_path / "cw"), "--out-dir", str(cdir),
+                 "--generated-file", str(tmp_path / "aw" / "generated.pt")])
     finally:
         torch.set_num_threads(threads)     # the stages set their own
     assert (adir / "model.safetensors").read_bytes() == before

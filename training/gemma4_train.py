@@ -193,8 +193,8 @@ class CentroidArgs:
     eval_windows: int = 16
     dtype: str = "bfloat16"
     top_level_fraction: float = 0.5
-    generated_fraction: float = 0.0
-    generated_file: str = ""                      # generated.pt of an assistant stage's work dir
+    generated_fraction: float = 0.5
+    generated_file: str = "/tmp/tiny-gemma4-assistant-run/generated.pt"   # the assistant stage's (work dir)
 
 
 def centroid_stage(a: CentroidArgs, log=print) -> loop.Stage:
