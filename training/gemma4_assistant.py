@@ -17,7 +17,8 @@ Rounds at different positions do not interact (their queries read only the targe
 a window of T target positions gives T - 1 independent rounds (p = 1..T-1), and step k of
 all of them is one batched pass (`AssistantModel.step`). Training (teacher forcing) feeds
 step k the window's token at p + k - 1 and scores its prediction of the token at p + k
-(`draft_losses`); evaluation feeds back its own argmax (training.gemma4_eval).
+(`draft_losses`); the simulation feeds back its own argmax (training/gemma4_spec_sim.py).
+Shapes [num_reqs, q_len, ...]: q_len rounds of each of num_reqs windows.
 """
 
 import dataclasses
@@ -86,8 +87,8 @@ class TargetKV:
         self.window = cfg.sliding_window
 
 
-def round_mask(p: Int[Tensor, "num_reqs num_queries"], T: int, window: int | None
-               ) -> Bool[Tensor, "num_reqs num_queries seq_len"]:
+def round_mask(p: Int[Tensor, "num_reqs q_len"], T: int, window: int | None
+               ) -> Bool[Tensor, "num_reqs q_len seq_len"]:
     """Which target positions s a round at p reads: s <= p - 1, and with a window W also
     s >= p - W - 1 (the last W + 1 keys, as transformers' drafter mask |q - k| <= W)."""
     s = torch.arange(T)[None, None, :]
@@ -118,9 +119,9 @@ class AssistantLayer(nn.Module):
         self.layer_scalar = nn.Parameter(torch.ones(1))
         self.rope = Gemma4RoPE(head_dim, rope.theta, rope.partial_rotary_factor, rope.proportional)
 
-    def forward(self, x: Float[Tensor, "num_reqs num_queries hidden"], p: Int[Tensor, "num_reqs num_queries"],
-                kv: tuple[Tensor, Tensor], mask: Bool[Tensor, "num_reqs num_queries seq_len"]
-                ) -> Float[Tensor, "num_reqs num_queries hidden"]:
+    def forward(self, x: Float[Tensor, "num_reqs q_len hidden"], p: Int[Tensor, "num_reqs q_len"],
+                kv: tuple[Tensor, Tensor], mask: Bool[Tensor, "num_reqs q_len seq_len"]
+                ) -> Float[Tensor, "num_reqs q_len hidden"]:
         B, Q, _ = x.shape
         q = self.q_norm(self.q_proj(self.input_layernorm(x)).view(B * Q, self.heads, self.hd))
         q = self.rope(p.reshape(-1), q).view(B, Q, self.heads, self.hd).transpose(1, 2)
@@ -151,9 +152,9 @@ class AssistantModel(nn.Module):
             if isinstance(m, GemmaRMSNorm):
                 m.weight.requires_grad_(True)
 
-    def step(self, e: Float[Tensor, "num_reqs num_queries backbone"], h: Float[Tensor, "num_reqs num_queries backbone"],
-             p: Int[Tensor, "num_reqs num_queries"], kv: TargetKV, masks: dict
-             ) -> tuple[Float[Tensor, "num_reqs num_queries hidden"], Float[Tensor, "num_reqs num_queries backbone"]]:
+    def step(self, e: Float[Tensor, "num_reqs q_len backbone_hidden"], h: Float[Tensor, "num_reqs q_len backbone_hidden"],
+             p: Int[Tensor, "num_reqs q_len"], kv: TargetKV, masks: dict
+             ) -> tuple[Float[Tensor, "num_reqs q_len hidden"], Float[Tensor, "num_reqs q_len backbone_hidden"]]:
         """One draft step of every round: (d = the final normed state, the next h)."""
         x = self.pre_projection(torch.cat([e, h], dim=-1))
         for layer in self.layers:
@@ -180,8 +181,8 @@ class AssistantModel(nn.Module):
         return self.centroid_logits(d) if self.cfg.num_centroids else self.logits(d)
 
 
-def rounds_input(target: Gemma4ForCausalLM, hidden: Float[Tensor, "num_tokens backbone"],
-                 cache: CacheTensors, B: int, T: int, p: Int[Tensor, "num_reqs num_queries"]):
+def rounds_input(target: Gemma4ForCausalLM, hidden: Float[Tensor, "num_tokens backbone_hidden"],
+                 cache: CacheTensors, B: int, T: int, p: Int[Tensor, "num_reqs q_len"]):
     """(h for step 1 = the target's hidden at p - 1, the target's KV, masks per layer type)."""
     h0 = hidden.view(B, T, -1).gather(1, (p - 1)[..., None].expand(-1, -1, hidden.shape[-1]))
     kv = TargetKV(target, cache, B)
