@@ -57,11 +57,13 @@ def _poison_on_free(llm) -> list[int]:
 def _run_stepwise(llm, prompts, params):
     """generate() by hand, recording how many sliding blocks the requests hold after each step."""
     reqs = [llm.add_request(p, params) for p in prompts]
-    held = []
+    held, free = [], []
     while llm.scheduler.has_unfinished():
         llm.step()
-        held.append(sum(len(r.block_tables[1].held()) for r in reqs if r.block_tables))
-    return [r.output_token_ids for r in reqs], held
+        if all(r.block_tables for r in reqs):       # both still running
+            held.append(sum(len(r.block_tables[1].held()) for r in reqs))
+            free.append(llm.kv_pools.num_free[POOL])
+    return [r.output_token_ids for r in reqs], held, free
 
 
 @pytest.mark.parametrize("eager", [True, False])
@@ -80,7 +82,7 @@ def test_long_generation_in_a_small_sliding_pool(dense, eager):
     freed = _poison_on_free(llm)
     if not eager:
         llm.runner.graphs.trace_after = 0
-    tokens, held = _run_stepwise(llm, prompts, params)
+    tokens, held, free = _run_stepwise(llm, prompts, params)
     assert tokens == ref
     for p, ours in zip(prompts, tokens):
         report = O.check_greedy_against_hf(model, p, ours)
@@ -88,8 +90,10 @@ def test_long_generation_in_a_small_sliding_pool(dense, eager):
     # every block lent was returned (most while the requests ran; the last token's KV is never
     # written), many more than the pool holds
     assert len(freed) == blocks_for(12 + 149, BLOCK) + blocks_for(3 + 149, BLOCK) > 4 * (sliding.num_blocks - 1)
-    # never more than each request's window demand at once, whatever the context
+    # never more than each request's window demand at once, whatever the context; the pool's
+    # free count rises again and again while both requests run
     assert max(held) <= 2 * window_demand(W, 0, 8, BLOCK)
+    assert len(held) > 100 and sum(b > a for a, b in zip(free, free[1:])) > 20
     assert llm.kv_pools.num_free == llm.kv_pools.capacity
     if not eager:
         assert llm.runner.graphs.verify_graphs, "the decode steps were meant to run as traced graphs"
