@@ -90,10 +90,12 @@ def test_long_generation_in_a_small_sliding_pool(dense, eager):
     # every block lent was returned (most while the requests ran; the last token's KV is never
     # written), many more than the pool holds
     assert len(freed) == blocks_for(12 + 149, BLOCK) + blocks_for(3 + 149, BLOCK) > 4 * (sliding.num_blocks - 1)
-    # never more than each request's window demand at once, whatever the context; the pool's
-    # free count rises again and again while both requests run
-    assert max(held) <= 2 * window_demand(W, 0, 8, BLOCK)
-    assert len(held) > 100 and sum(b > a for a, b in zip(free, free[1:])) > 20
+    # never more than each request's window demand at once, whatever the context: over the
+    # 100+ steps both requests run, their contexts grow by ~37 blocks each, and the pool's free
+    # count stays where the window demand leaves it (each step returns what it takes)
+    bound = 2 * window_demand(W, 0, 8, BLOCK)
+    assert len(held) > 100 and max(held) <= bound
+    assert min(free) >= sliding.num_blocks - 1 - bound and free[-1] == free[len(free) // 2]
     assert llm.kv_pools.num_free == llm.kv_pools.capacity
     if not eager:
         assert llm.runner.graphs.verify_graphs, "the decode steps were meant to run as traced graphs"
