@@ -105,13 +105,15 @@ def test_budget_options_are_checked(ckpt):
         _llm(ckpt, memory_budget=64 * MiB, gpu_memory_utilization=0.5)
 
 
-def test_fp8_layers_counted_at_stored_bytes(ckpt, tmp_path):
-    """On CUDA the plain linear layers keep FP8 weights (1 byte each) and fp32 scales: the
-    plan's weight bytes (meta model, from config.json and the headers) equal those of the
-    model loaded that way (forced here on CPU) and are below the dequantized model's."""
+@pytest.mark.parametrize("block", [(16, 32), (128, 128)])
+def test_fp8_layers_counted_at_stored_bytes(ckpt, tmp_path, block):
+    """On CUDA every FP8 weight is kept (1 byte each) with its fp32 scales (and, where parts
+    cut blocks ([128, 128] on the tiny model), an int32 scale row per weight row): the plan's
+    weight bytes (meta model, from config.json and the headers) equal those of the model
+    loaded that way (forced here on CPU) and are below the dequantized model's."""
     from test_fp8 import make_fp8
 
-    make_fp8(ckpt, tmp_path / "fp8", tmp_path / "twin", (16, 32))
+    make_fp8(ckpt, tmp_path / "fp8", tmp_path / "twin", block)
     path = tmp_path / "fp8"
     family, cfg = _family(path)
     meta = memory_plan.meta_model(family, cfg, path=path, load_format="safetensors", device=torch.device("cpu"),
@@ -125,6 +127,8 @@ def test_fp8_layers_counted_at_stored_bytes(ckpt, tmp_path):
     loader.load_checkpoint(model, path, torch.bfloat16, torch.device("cpu"), keep_fp8=True)
     assert planned == _bytes(list(model.parameters()) + list(model.buffers()))
     assert planned < dequantized
+    rows = [b for n, b in model.named_buffers() if n.endswith("scale_rows")]
+    assert bool(rows) == (block == (128, 128))
 
 
 def _ops():

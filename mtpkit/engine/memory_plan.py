@@ -3,8 +3,8 @@
 The budget is what the engine may use on its device: `memory_budget` bytes, or on CUDA
 `gpu_memory_utilization` x the device's memory less what others already hold there. From it
 come, in order: the weights (computed before any is read: the model built on the meta device,
-every parameter at its rank's shape and its loaded dtype, FP8 layers at one byte per weight
-plus their scales), the activations of the largest step (estimated from the config first; on
+every parameter at its rank's shape and its loaded dtype, kept FP8 weights at one byte each
+plus their fp32 scales and row indices), the activations of the largest step (estimated from the config first; on
 CUDA then measured by a profile run: a prefill of max_num_batched_tokens tokens), and the
 caches: the state pool slots for max_num_seqs requests (`bundle` each, the null slot), the
 KV pool every byte left, at least one request at max_model_len (shorter requests share it).
@@ -116,8 +116,8 @@ def budget_of(device: torch.device, memory_budget: int | None, gpu_memory_utiliz
 def meta_model(family, cfg, *, path, load_format: str, device: torch.device, attn_backend, tp,
                keep_fp8: bool | None = None, **kwargs) -> torch.nn.Module:
     """The model with every parameter on the meta device (shapes and dtypes, no memory), its
-    plain linear layers in FP8 mode where the loader will keep them so (FP8 checkpoints;
-    `keep_fp8` as the loader's: default on CUDA; from config.json and the headers)."""
+    modules in FP8 mode where the loader will keep FP8 weights (FP8 checkpoints; `keep_fp8`
+    as the loader's: default on CUDA; from config.json and the headers)."""
     from ..attn.backend import select_backend
     from ..models.loader import fp8_weights, keep_fp8_linears
     keep = device.type == "cuda" if keep_fp8 is None else keep_fp8
