@@ -122,13 +122,3 @@ def fp8_linear_reference(x: Tensor, wq: Tensor, w_scale: Tensor, block: tuple[in
     xq, xs = quantize_activation(x.reshape(-1, x.shape[-1]), block[1])
     return fp8_block_matmul(xq, xs, wq, w_scale, block, x.dtype, scale_rows).view(*lead, wq.shape[0])
 
-
-def fp8_batched_reference(x: Tensor, wq: Tensor, w_scale: Tensor, block: tuple[int, int],
-                          experts: Tensor | None = None, scale_rows: Tensor | None = None,
-                          out_dtype: torch.dtype | None = None) -> Tensor:
-    """x [B, M, K] @ W[experts[b]]^T per b, the activation quantized per row and group, then
-    `fp8_batched_matmul`. Output in `out_dtype` (x's dtype by default)."""
-    B, M, K = x.shape
-    xq, xs = quantize_activation(x.reshape(B * M, K), block[1])
-    return fp8_batched_matmul(xq.view(B, M, K), xs.view(B, M, -1), wq, w_scale, block, out_dtype or x.dtype,
-                              experts, scale_rows)

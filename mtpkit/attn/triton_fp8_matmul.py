@@ -21,7 +21,7 @@ from mtpkit.shapes import Float, Int, Shaped, Tensor, checked
 from . import fp8_matmul as ref
 from .triton_common import use_reference
 
-__all__ = ["fp8_block_matmul", "fp8_batched_matmul", "fp8_linear", "fp8_batched_linear"]
+__all__ = ["fp8_block_matmul", "fp8_batched_matmul", "fp8_linear"]
 
 BN = 128  # output columns per program
 
@@ -110,13 +110,3 @@ def fp8_linear(x: Tensor, wq: Tensor, w_scale: Tensor, block: tuple[int, int],
     xq, xs = ref.quantize_activation(x.reshape(-1, x.shape[-1]), block[1])
     return fp8_block_matmul(xq, xs, wq, w_scale, block, x.dtype, scale_rows).view(*lead, wq.shape[0])
 
-
-def fp8_batched_linear(x: Tensor, wq: Tensor, w_scale: Tensor, block: tuple[int, int],
-                       experts: Tensor | None = None, scale_rows: Tensor | None = None,
-                       out_dtype: torch.dtype | None = None) -> Tensor:
-    """x [B, M, K] @ W[experts[b]]^T per b (W[b] without experts), the activation quantized
-    per row and group of block_k; fp8_batched_matmul is the typed boundary."""
-    B, M, K = x.shape
-    xq, xs = ref.quantize_activation(x.reshape(B * M, K), block[1])
-    return fp8_batched_matmul(xq.view(B, M, K), xs.view(B, M, -1), wq, w_scale, block, out_dtype or x.dtype,
-                              experts, scale_rows)
