@@ -180,15 +180,18 @@ class FP8Matrix(nn.Module):
             out[mine] = s[table[mine, 1]]
         return out
 
-    def specs(self, parts_of: list[list[Part]], fused: tuple[int, int] | None = None) -> list[WeightSpec]:
+    def specs(self, parts_of: list[list[Part]], fused: tuple[int, int] | None = None,
+              declared: list[list[Part]] | None = None) -> list[WeightSpec]:
         """The weight and its scales from the raw FP8 pairs: parts_of[i] the parts of stack
         entry i (one list for a 2-D weight). `fused` (first, experts): the parts name stacks
-        [experts, rows, K] (fused experts), of which entry i reads expert first + i."""
+        [experts, rows, K] (fused experts), of which entry i reads expert first + i.
+        `declared`: the parts of every entry of the whole stack, all ranks' (what the loader
+        expects in the checkpoint; default parts_of)."""
         lead = self.weight.dim() == 3
         bn, bk = self.block
         used = sorted(set(self.layout.part.tolist()))
         sources, scales = {}, {}
-        for parts in parts_of:
+        for parts in declared or parts_of:
             for p in (parts[i] for i in used):
                 stack = () if fused is None else (fused[1],)
                 sources[p.name] = (*stack, p.full_rows, self.cols.full)

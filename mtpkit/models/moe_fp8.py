@@ -62,11 +62,11 @@ class FP8Experts(nn.Module):
             self.down_parts = [[Part(f"{ex}.down_proj", H, 0, H)]] * nl
             self.fused = (first, E)
         else:
-            mine = range(first, first + nl)
             self.w13_parts = [[Part(f"{ex}.{e}.gate_proj.weight", I, 0, I), Part(f"{ex}.{e}.up_proj.weight", I, 0, I)]
-                              for e in mine]
-            self.down_parts = [[Part(f"{ex}.{e}.down_proj.weight", H, 0, H)] for e in mine]
+                              for e in range(E)]
+            self.down_parts = [[Part(f"{ex}.{e}.down_proj.weight", H, 0, H)] for e in range(E)]
             self.fused = None
+        self.mine = slice(0, nl) if names.fused else slice(first, first + nl)  # this rank's entries
         bn = block[0]
         self.w13 = FP8Matrix(row_layout(*row_sources(self.w13_parts[0], None), bn), Columns(H, 0, H), block, (nl,))
         self.down = FP8Matrix(row_layout(*row_sources(self.down_parts[0], None), bn), Columns(I, 0, I), block, (nl,))
@@ -88,7 +88,9 @@ class FP8Experts(nn.Module):
 
     def specs(self) -> list[WeightSpec]:
         shared = self.shared_down.specs() if self.shared_down is not None else []
-        return self.w13.specs(self.w13_parts, self.fused) + self.down.specs(self.down_parts, self.fused) + shared
+        w13, down = self.w13_parts, self.down_parts   # every expert's, declared; this rank's, read
+        return (self.w13.specs(w13[self.mine], self.fused, w13) + self.down.specs(down[self.mine], self.fused, down)
+                + shared)
 
     # ---- the three paths (SparseMoE._experts chooses; `moe` routes and activates) --------
     def _finish(self, moe, out: Float[Tensor, "num_tokens hidden"], h: Float[Tensor, "num_tokens _"],
