@@ -21,6 +21,9 @@ finished request to its part file (OUTPUT.part-R-of-K, flushed per request, with
 line number), so a killed job loses only the requests in flight; --resume skips the lines found
 in the output and the part files. Rank 0 prints the whole job's progress, gathers every
 replica's records and writes OUTPUT complete and in input order.
+The memory options are `mtpkit generate`'s (--gpu-memory-utilization, --memory-budget,
+--kv-cache-memory, --state-cache-memory, --num-blocks, --num-state-slots, --fp8-weights), for
+each rank's device; a budget's plan is printed to stderr.
 """
 
 import argparse

@@ -1,5 +1,8 @@
 """`mtpkit generate "def fibonacci(n):" --num-spec 3`: stream a completion, then print the
-speculation stats. `--debug` checks every boundary and prints the shape trace of the run."""
+speculation stats. `--debug` checks every boundary and prints the shape trace of the run.
+Memory: `--gpu-memory-utilization 0.9` (CUDA) or `--memory-budget 64GiB` size the caches from
+what the weights and activations leave (the plan is printed); `--fp8-weights` keeps or
+dequantizes an FP8 checkpoint's weights."""
 
 import argparse
 import re
