@@ -129,6 +129,25 @@ def test_fp8_layers_counted_at_stored_bytes(ckpt, tmp_path, block):
     assert planned < dequantized
     rows = [b for n, b in model.named_buffers() if n.endswith("scale_rows")]
     assert bool(rows) == (block == (128, 128))
+    est = dict(tokens=64, logits_rows=8, vocab=cfg.vocab_size, dtype=torch.bfloat16)
+    assert memory_plan.activation_estimate(kept_meta, **est) == memory_plan.activation_estimate(meta, **est)
+
+
+def test_fp8_experts_estimate_the_activations_of_the_plain_layout():
+    """A MoE kept in FP8 holds its experts' down projections as a stack [experts, hidden, I]:
+    not a per-token width, so the estimate is the plain layout's (every local expert's gate
+    and up rows per token), here where hidden (64) > 2I (32) would tell them apart."""
+    from mtpkit.models.moe import SparseMoE
+
+    est = dict(tokens=64, logits_rows=8, vocab=1000, dtype=torch.bfloat16)
+    with torch.device("meta"):
+        plain = SparseMoE(64, 4, 2, 16, 16, True, _tp())
+        kept = SparseMoE(64, 4, 2, 16, 16, True, _tp())
+    names = [f"m.experts.{e}.{p}_proj.weight" for e in range(4) for p in ("gate", "up", "down")]
+    names += [f"m.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
+    assert kept.use_fp8((16, 32), "m", {n: n + "_scale_inv" for n in names}) and kept.fp8 is not None
+    assert memory_plan.activation_estimate(kept, **est) == memory_plan.activation_estimate(plain, **est) \
+        == 4 * 64 * (4 * 32) * 2 + 2 * 8 * 1000 * 4
 
 
 def _ops():

@@ -165,6 +165,6 @@ def activation_estimate(model: torch.nn.Module, *, tokens: int, logits_rows: int
     for p in model.parameters():
         if p.dim() == 2:
             widest = max(widest, p.shape[0] if p.shape[0] != vocab else 0)
-        elif p.dim() == 3:               # [local experts, 2I, hidden]
+        elif p.dim() == 3 and not getattr(p, "expert_down", False):   # [local experts, 2I, hidden]
             widest = max(widest, p.shape[0] * p.shape[1])
     return 4 * tokens * widest * dtype.itemsize + 2 * logits_rows * vocab * 4

@@ -70,6 +70,7 @@ class FP8Experts(nn.Module):
         bn = block[0]
         self.w13 = FP8Matrix(row_layout(*row_sources(self.w13_parts[0], None), bn), Columns(H, 0, H), block, (nl,))
         self.down = FP8Matrix(row_layout(*row_sources(self.down_parts[0], None), bn), Columns(I, 0, I), block, (nl,))
+        self.down.weight.expert_down = True  # [experts, hidden, I]: not a per-token width (memory_plan)
         # The shared expert's down projection: this rank's columns (FP8 or plain as stored).
         self.shared_down = (FP8Rows([Part(f"{names.shared}.down_proj.weight", H, 0, H)], None,
                                     Columns(moe.shared_inter, *moe.shared_range), block, fp8_names)
