@@ -7,6 +7,8 @@ all-reduce each). The vocabulary-parallel embedding and lm_head are the two func
 them. Projections of the same input are merged into one weight (one matmul): at decode batch
 sizes every op costs a fixed overhead, so fewer, larger ops are what makes a step fast.
 Each module that merges checkpoint tensors says how (`checkpoint_specs`, see weights.py).
+For FP8 checkpoints kept in FP8 (`use_fp8`) the same modules describe their rows and columns
+as checkpoint `Part`s and `Columns`, from which fp8_layout.py lays out the FP8 weight.
 
 The linear family and the norms are shape-polymorphic (any leading dims, the feature dim
 last: tokens x hidden, tokens x heads x head_dim, tokens*heads x v_dim), so their forward

@@ -25,6 +25,11 @@ only their share of the routed sum (the router is replicated, so every rank rout
 the shared expert is split like an MLP. One all-reduce sums routed + shared together.
 Whole experts (not slices of each) keep every expert's matmuls full-sized and let each rank
 read only its experts from the checkpoint.
+
+FP8 checkpoints kept in FP8 (use_fp8): w_in's rows as runs of one kind (fp8_layout.FP8Rows:
+the router is usually unquantized, the shared expert's gate and up rows FP8) and, when every
+expert is FP8, the experts as moe_fp8.FP8Experts (their own stacks and paths) instead of w13
+and w_out.
 """
 
 import torch
