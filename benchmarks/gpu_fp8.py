@@ -16,7 +16,7 @@ Then, on the device:
    profile run measures the activations; CPU: `memory_budget` instead);
 3. greedy tokens through CUDA graphs (FP8 kernels captured) equal eager's.
 
-    python benchmarks/gpu_fp8.py [--layers 2] [--experts 64] [--vocab 32768]
+    python benchmarks/gpu_fp8.py [--layers 2] [--experts 32] [--vocab 32768]
     python benchmarks/gpu_fp8.py --device cpu --widths tiny      # the CPU-side logic (tests)
 """
 
@@ -195,7 +195,7 @@ def check_fp8(args) -> bool:
 
 def add_args(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     ap.add_argument(f"--{prefix}layers", type=int, default=2, help="FP8 models' layers (the last full attention)")
-    ap.add_argument(f"--{prefix}experts", type=int, default=64)
+    ap.add_argument(f"--{prefix}experts", type=int, default=32)
     ap.add_argument(f"--{prefix}vocab", type=int, default=32768)
     ap.add_argument(f"--{prefix}models", nargs="+", default=["qwen3-next", "gemma4-26b-a4b"])
     ap.add_argument(f"--{prefix}widths", choices=["real", "tiny"], default="real")
