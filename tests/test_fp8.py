@@ -8,7 +8,7 @@ beside its dequantized twin (the same weights, dequantized, as a plain checkpoin
 - kept in FP8 (`keep_fp8=True`, the CUDA default; here through the kernel's torch reference):
   every FP8 tensor of the checkpoint stays FP8 (the model holds exactly the checkpoint's FP8
   elements), through every merged layout (Qwen3-Next's attention qkv and GDN in_proj, the MoE
-  router + shared-expert rows with the router unquantized, experts stored one by one and fused;
+  router + shared-expert rows with the router unquantized or quantized, experts stored one by one and fused;
   Gemma 4's qkv, MLP and fused experts), in both row layouts (whole blocks at [16, 32]; rows
   naming their scale rows at [128, 128], where the tiny parts cut blocks). With the activation
   quantization made lossless the kept model computes the twin's products: equal within fp32 /
@@ -49,11 +49,11 @@ NOT_CONVERTED = ["lm_head", "model.embed_tokens", "mlp.gate", "mlp.shared_expert
 FUSED = (".experts.gate_up_proj", ".experts.down_proj")
 
 
-def _quantizable(name: str, t: torch.Tensor) -> bool:
+def _quantizable(name: str, t: torch.Tensor, not_converted=NOT_CONVERTED) -> bool:
     fused = name.endswith(FUSED) and t.dim() == 3
     return ((name.endswith(".weight") and t.dim() == 2 or fused) and "norm" not in name and "conv1d" not in name
             and "embed" not in name
-            and not any(name.startswith(m) or f".{m}." in f".{name}" for m in NOT_CONVERTED))
+            and not any(name.startswith(m) or f".{m}." in f".{name}" for m in not_converted))
 
 
 def _tensors(d):
@@ -61,7 +61,7 @@ def _tensors(d):
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def _write(d, tensors, block):
+def _write(d, tensors, block, not_converted=NOT_CONVERTED):
     """model.safetensors, and config.json as bf16 with (block given) the FP8 quantization_config."""
     save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((d / "config.json").read_text())
@@ -70,11 +70,11 @@ def _write(d, tensors, block):
         cfg["text_config"]["dtype"] = "bfloat16"
     if block is not None:
         cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                      "weight_block_size": list(block), "modules_to_not_convert": NOT_CONVERTED}
+                                      "weight_block_size": list(block), "modules_to_not_convert": not_converted}
     (d / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
-def make_fp8(src, fp8_dir, twin_dir, block, fuse_experts=False):
+def make_fp8(src, fp8_dir, twin_dir, block, fuse_experts=False, not_converted=NOT_CONVERTED):
     """Quantize `src` into `fp8_dir` (the real format) and write its dequantized weights (fp32,
     exact) as a plain checkpoint in `twin_dir`; loaded as bfloat16 it is the dequantized-bf16
     twin. The other tensors are bfloat16 in both. `fuse_experts`: Qwen3-Next's per-expert
@@ -87,7 +87,7 @@ def make_fp8(src, fp8_dir, twin_dir, block, fuse_experts=False):
         tensors = _fused(tensors)
     fp8, twin, quantized = {}, {}, []
     for name, t in tensors.items():
-        if _quantizable(name, t):
+        if _quantizable(name, t, not_converted):
             q, s = quantize(t.float(), block)
             fp8[name], fp8[name + "_scale_inv"] = q, s
             twin[name] = dequantize(q, s, block, torch.float32)
@@ -95,7 +95,7 @@ def make_fp8(src, fp8_dir, twin_dir, block, fuse_experts=False):
         else:
             fp8[name] = t.to(torch.bfloat16)
             twin[name] = t.to(torch.bfloat16)
-    _write(fp8_dir, fp8, block)
+    _write(fp8_dir, fp8, block, not_converted)
     _write(twin_dir, _split(twin) if fuse_experts else twin, None)
     return quantized
 
@@ -283,6 +283,23 @@ def test_kept_fp8_qwen3_next_equals_dequantized_twin(fp8_pair, dtype, monkeypatc
                 _close(got, want, dtype)
             else:
                 assert _error(got, want) <= 1.5 * bf16_error
+
+
+def test_kept_fp8_router_and_shared_gate_quantized_too(hf_checkpoint, tmp_path, monkeypatch):
+    """A checkpoint that quantizes the router and the shared expert's 1-row gate as well: w_in
+    is one FP8 run whose parts (4 + 1 + 32 + 32 rows at block 16) cut blocks, so its rows name
+    their scale rows."""
+    src = hf_checkpoint("base", SEED, with_mtp=True)[1]
+    keep = ["lm_head", "model.embed_tokens"]
+    make_fp8(src, tmp_path / "fp8", tmp_path / "twin", (16, 32), not_converted=keep)
+    want = _llm(tmp_path / "twin", dtype="float32").score(PROMPT)
+    llm = _llm(tmp_path / "fp8", dtype="float32", keep_fp8=True)
+    assert _fp8_elements(llm.model) == _checkpoint_fp8_elements(tmp_path / "fp8")
+    moe = llm.model.layers[0].mlp
+    assert _segments(moe.fp8_in) == ["FP8Matrix"] and moe.fp8_in.segments[0].scale_rows is not None
+    with lossless_activations():
+        for _ in _moe_paths(monkeypatch):
+            _close(llm.score(PROMPT), want, "float32")
 
 
 def test_kept_fp8_fused_experts(fp8_dirs, monkeypatch):
