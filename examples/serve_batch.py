@@ -21,6 +21,9 @@ finished request to its part file (OUTPUT.part-R-of-K, flushed per request, with
 line number), so a killed job loses only the requests in flight; --resume skips the lines found
 in the output and the part files. Rank 0 prints the whole job's progress, gathers every
 replica's records and writes OUTPUT complete and in input order.
+The memory options are `mtpkit generate`'s (--gpu-memory-utilization, --memory-budget,
+--kv-cache-memory, --state-cache-memory, --num-blocks, --num-state-slots, --fp8-weights), for
+each rank's device; a budget's plan is printed to stderr.
 """
 
 import argparse
@@ -36,6 +39,7 @@ import torch.distributed as dist
 from accelerate import PartialState
 
 from mtpkit import LLM, InputError, MtpkitError, SamplingParams
+from mtpkit.cli import add_memory_options, memory_kwargs
 from mtpkit.models.registry import read_config, resolve_model
 from mtpkit.parallel import replica_ranks
 
@@ -68,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
                         "prompts (default: every launched process is one replica)")
     p.add_argument("--resume", action="store_true",
                    help="skip input lines already in --output or its part files (a killed run's results)")
+    add_memory_options(p)
     # Test hook: the process exits (as if killed) after writing this many records.
     p.add_argument("--exit-after", type=int, default=None, help=argparse.SUPPRESS)
     return p
@@ -325,7 +330,7 @@ def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
         return 0
     llm = LLM(args.model, num_spec=args.num_spec, draft_model=args.draft_model, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, dtype=args.dtype, seed=args.seed,
-              device="cpu" if cpu else state.device, tensor_parallel_size=size)
+              device="cpu" if cpu else state.device, tensor_parallel_size=size, **memory_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             ignore_eos=args.ignore_eos)
     # Bad lines cost nothing to run: replica 0 writes them. The rest are dealt by length.

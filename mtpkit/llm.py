@@ -63,7 +63,7 @@ class LLM:
                  cudagraph_capture_sizes: Sequence[int] | None = None,
                  attn_backend: str | None = None, tensor_parallel_size: int | None = None,
                  load_format: str = "safetensors", num_threads: int | None = None,
-                 recycle_sliding_kv: bool = True):
+                 keep_fp8: bool | None = None, recycle_sliding_kv: bool = True):
         """draft_model: a checkpoint directory (or built-in name) that drafts num_spec tokens
         per step; None uses the model family's own drafter (Qwen3-Next: its MTP head).
         tensor_parallel_size: ranks the model is split over; None means every process of
@@ -80,6 +80,9 @@ class LLM:
         device): size the KV and state pools from what is left after the weights and a step's
         activations (engine/memory_plan.py), print the plan (llm.memory_plan), and refuse a model
         that cannot fit before any weight is read.
+        keep_fp8 (FP8 checkpoints): keep the FP8 weights with their block scales and run the
+        block-scaled FP8 matmul (Triton on CUDA, its torch reference elsewhere); False
+        dequantizes them to `dtype` at load. None: kept on CUDA, dequantized elsewhere.
         recycle_sliding_kv: a sliding-window layer group keeps only the KV blocks its window (and
         a drafter) can still read and returns the rest as a request advances (engine/kv_pools.py),
         so its memory is bounded by the window; False keeps every block for the whole context
@@ -106,6 +109,8 @@ class LLM:
                         ("memory_budget", memory_budget)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ConfigError(f"{name}={v!r} must be an int")
+        if keep_fp8 is not None and not isinstance(keep_fp8, bool):
+            raise ConfigError(f"keep_fp8={keep_fp8!r} must be True, False or None (None: keep FP8 weights on CUDA)")
         if num_threads is not None and num_threads < 1:
             raise ConfigError(f"num_threads={num_threads} must be >= 1")
         if not isinstance(num_spec, int) or isinstance(num_spec, bool) or not 0 <= num_spec <= 8:
@@ -161,7 +166,8 @@ class LLM:
                                        kv_cache_memory=kv_cache_memory, state_cache_memory=state_cache_memory)
         if budget is not None:  # the weights and a first plan before any weight is read
             self._meta = memory_plan.meta_models(self.family, cfg, draft, path=path, load_format=load_format,
-                                                 device=self.device, attn_backend=attn_backend, tp=tp)
+                                                 device=self.device, attn_backend=attn_backend, tp=tp,
+                                                 keep_fp8=keep_fp8)
             self.memory_plan = plan = self._plan_memory(budget, spec, activation_bytes=None)
             num_blocks, num_state_slots = plan.num_blocks, plan.num_slots
             if self.device.type == "cuda":  # a provisional KV pool for the profile run (one request)
@@ -217,7 +223,8 @@ class LLM:
 
             def load(family, model_cfg, model_path, **kwargs):
                 return build_model(family, model_cfg, model_path, ops=backend, tp=tp, dtype=self.dtype,
-                                   device=self.device, load_format=load_format, seed=seed, **kwargs)
+                                   device=self.device, load_format=load_format, seed=seed, keep_fp8=keep_fp8,
+                                   **kwargs)
             self.model = load(self.family, cfg, path, **target_kwargs)
             drafter = draft.build(self.model, load=load) if draft else None
             self.cache = allocate_cache(spec, num_blocks=sizes, num_slots=num_state_slots or 0,

@@ -71,7 +71,11 @@ DIMS: dict[str, str] = {
     "in_features": "input features of a linear layer (the reduced dim of x @ W^T)",
     "out_features": "output features of a linear layer",
     "in_groups": "block-scaled FP8: scale groups along in_features, ceil(in_features / block_k)",
-    "out_groups": "block-scaled FP8: scale groups along out_features, ceil(out_features / block_n)",
+    "out_groups": "block-scaled FP8: rows of a weight's scale table: ceil(out_features / block_n) in the "
+                  "block layout; a merged weight whose parts are not whole blocks names each row's (scale_rows)",
+    "matmuls": "block-scaled FP8: independent products of one batched matmul (experts, or token-expert pairs)",
+    "num_rows": "block-scaled FP8: activation rows of one product of a batched matmul (tokens; 1 for a "
+                "token-expert pair)",
     "layers": "decoder layers of the model (Gemma 4's per-layer inputs, one slice per layer)",
     "ple_dim": "Gemma 4 per-layer embedding width (hidden_size_per_layer_input)",
     # cache geometry

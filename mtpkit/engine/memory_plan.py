@@ -3,8 +3,8 @@
 The budget is what the engine may use on its device: `memory_budget` bytes, or on CUDA
 `gpu_memory_utilization` x the device's memory less what others already hold there. From it
 come, in order: the weights (computed before any is read: the model built on the meta device,
-every parameter at its rank's shape and its loaded dtype, FP8 layers at one byte per weight
-plus their scales), the activations of the largest step (estimated from the config first; on
+every parameter at its rank's shape and its loaded dtype, kept FP8 weights at one byte each
+plus their fp32 scales and row indices), the activations of the largest step (estimated from the config first; on
 CUDA then measured by a profile run: a prefill of max_num_batched_tokens tokens), and the
 caches: the state pool slots for max_num_seqs requests (`bundle` each, the null slot), the
 sliding-window KV pools at the sizes their windows bound (engine/kv_pools.py), the
@@ -130,8 +130,8 @@ def budget_of(device: torch.device, memory_budget: int | None, gpu_memory_utiliz
 def meta_model(family, cfg, *, path, load_format: str, device: torch.device, attn_backend, tp,
                keep_fp8: bool | None = None, **kwargs) -> torch.nn.Module:
     """The model with every parameter on the meta device (shapes and dtypes, no memory), its
-    plain linear layers in FP8 mode where the loader will keep them so (FP8 checkpoints;
-    `keep_fp8` as the loader's: default on CUDA; from config.json and the headers)."""
+    modules in FP8 mode where the loader will keep FP8 weights (FP8 checkpoints; `keep_fp8`
+    as the loader's: default on CUDA; from config.json and the headers)."""
     from ..attn.backend import select_backend
     from ..models.loader import fp8_weights, keep_fp8_linears
     keep = device.type == "cuda" if keep_fp8 is None else keep_fp8
@@ -179,6 +179,6 @@ def activation_estimate(model: torch.nn.Module, *, tokens: int, logits_rows: int
     for p in model.parameters():
         if p.dim() == 2:
             widest = max(widest, p.shape[0] if p.shape[0] != vocab else 0)
-        elif p.dim() == 3:               # [local experts, 2I, hidden]
+        elif p.dim() == 3 and not getattr(p, "expert_down", False):   # [local experts, 2I, hidden]
             widest = max(widest, p.shape[0] * p.shape[1])
     return 4 * tokens * widest * dtype.itemsize + 2 * logits_rows * vocab * 4

@@ -21,8 +21,9 @@ from ..parallel import TP
 from ..shapes import Float, Int, Tensor, checked
 from .gemma4_config import FULL, Gemma4Config
 from .layers import (MLP, ColumnParallelLinear, Linear, MergedColumnParallelLinear, PartialRoPE, RowParallelLinear,
-                     linear, vocab_parallel_embedding, vocab_parallel_logits)
+                     vocab_parallel_embedding, vocab_parallel_logits)
 from .moe import SparseMoE
+from .moe_fp8 import MoENames
 from .weights import WeightSpec, narrow, read, shard_range
 
 Metadata = PrefillMetadata | UniformMetadata
@@ -120,7 +121,11 @@ class Gemma4Experts(SparseMoE):
                          True, tp)
         self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts), requires_grad=False)
 
-    def checkpoint_specs(self, prefix: str) -> list[WeightSpec]:
+    def moe_names(self, prefix: str, fp8_names) -> MoENames:
+        layer = prefix.rpartition(".")[0]
+        return MoENames(router=f"{layer}.router.proj.weight", experts=f"{layer}.experts", fused=True)
+
+    def plain_specs(self, prefix: str) -> list[WeightSpec]:
         """router.proj.weight [E, H] and router.per_expert_scale [E] (replicated: every rank
         routes alike); experts.gate_up_proj [E, 2I, H] (gate rows first) and
         experts.down_proj [E, H, I], of which this rank reads its whole experts."""
@@ -148,7 +153,7 @@ class Gemma4Experts(SparseMoE):
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"], router_x: Float[Tensor, "num_tokens hidden"]
                 ) -> Float[Tensor, "num_tokens hidden"]:
-        return self._experts(x, linear(router_x, self.w_in))     # router logits [T, E]
+        return self._experts(x, self.project_in(router_x))     # router logits [T, E]
 
 
 class Router(nn.Module):

@@ -62,7 +62,9 @@ def check_tensor_parallel(cfg: Qwen3NextConfig, size: int, with_mtp: bool = Fals
 def _rows(*segments: tuple[int, int, int, int]) -> Tensor:
     """Row indices of strided segments, concatenated: (start, count, length, stride) gives
     rows start + i*stride + (0..length-1) for i in 0..count-1."""
-    return torch.cat([(start + torch.arange(count)[:, None] * stride + torch.arange(length)).flatten()
+    # On the CPU even while a model is built on the meta device: FP8 layouts read the values.
+    return torch.cat([(start + torch.arange(count, device="cpu")[:, None] * stride
+                       + torch.arange(length, device="cpu")).flatten()
                       for start, count, length, stride in segments])
 
 
