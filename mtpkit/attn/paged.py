@@ -50,11 +50,18 @@ def _gather_kv(k_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"]
 
 
 def context_slots(block_table: Int[Tensor, "num_reqs max_blocks"], last_pos: Int[Tensor, "num_reqs"],
-                  block_size: int, ctx_len: int) -> Int[Tensor, "num_reqs ctx_len"]:
+                  block_size: int, ctx_len: int, first_pos: Int[Tensor, "num_reqs"] | None = None
+                  ) -> Int[Tensor, "num_reqs ctx_len"]:
     """The cache slot of positions 0..ctx_len-1 of every request, positions past last_pos
-    reading last_pos's slot (storage the request owns; attention masks them). Not checked
-    itself (every attention call makes one): its callers at the boundaries are."""
-    pos = torch.minimum(torch.arange(ctx_len, device=block_table.device), last_pos[:, None])  # [R, ctx]
+    reading last_pos's slot (storage the request owns; attention masks them). `first_pos`
+    (a sliding read: the first position attention keeps): positions before it read its slot
+    instead, so blocks below a window are never read (they may be freed, their table
+    entries the null block). Not checked itself (every attention call makes one): its
+    callers at the boundaries are."""
+    pos = torch.arange(ctx_len, device=block_table.device)[None, :]
+    if first_pos is not None:
+        pos = torch.maximum(pos, first_pos[:, None])
+    pos = torch.minimum(pos, last_pos[:, None])                                                # [R, ctx]
     return block_table.gather(1, pos // block_size) * block_size + pos % block_size
 
 

@@ -12,6 +12,8 @@ A drafter declares (`DraftSetup`, from config.json alone):
   name prefix), or none when it reads the target's;
 - `kv_lookahead`: KV positions it writes past the last position the target step wrote (the
   scheduler reserves blocks for them);
+- `kv_read_back`: positions below the target's own sliding window that it reads in the
+  target's sliding KV groups (blocks holding them must not be recycled yet);
 - what the target model must build for it (the MTP head lives in the target checkpoint);
 - its tensor-parallel constraints.
 Drafts are greedy (argmax): the rejection sampler treats them as one-hot proposals.
@@ -63,11 +65,19 @@ class Drafter:
 
 @dataclasses.dataclass(frozen=True)
 class DraftSetup:
-    """A drafter as its config describes it, before any weight is read."""
+    """A drafter as its config describes it, before any weight is read.
+
+    `kv_lookahead`: KV positions it writes past the last one the target step wrote.
+    `kv_read_back`: for a round at position p (the newest committed token), how many
+    positions before the target's own sliding window there (p - W + 1) the drafter still
+    reads in the target's sliding KV groups, so the blocks holding them are kept: the Gemma 4
+    assistant reads p-W-1..p-1, 2; a drafter with its own KV or none reads back 0.
+    (Keyword-only, so the fields after it keep their places without defaults.)"""
 
     name: str
     num_spec: int
     kv_lookahead: int
+    kv_read_back: int = dataclasses.field(default=0, kw_only=True)
     cache_spec: Callable[[int], CacheSpec]            # tp_size -> the groups it owns (prefixed)
     check_tensor_parallel: Callable[[int], None]
     build: Callable[..., Drafter]                     # (target model, load) -> Drafter
