@@ -29,14 +29,18 @@ _SHARED = ("vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim
            "max_position_embeddings", "pad_token_id", "eos_token_id", "bos_token_id", "rope_parameters")
 
 
-def target_text_config(name: str) -> dict:
-    return G.CONFIGS[name]
+# The targets: gemma4_oracle's, and a 16-token vocabulary (sampling distributions).
+TARGETS = dict(G.CONFIGS, dense_v16=dict(G.CONFIGS["dense"], vocab_size=16))
+
+
+def build_target(name: str, seed: int = 0):
+    return G.build_hf(name, seed, config=TARGETS[name])
 
 
 def assistant_config(name: str, *, ordered: bool = False, hidden: int = 48, **overrides):
     from transformers.models.gemma4 import Gemma4TextConfig
     from transformers.models.gemma4_assistant import Gemma4AssistantConfig
-    base = G.CONFIGS[name]
+    base = TARGETS[name]
     text = {k: base[k] for k in _SHARED if k in base}
     text.update(hidden_size=hidden, intermediate_size=80, num_hidden_layers=len(ASSISTANT_LAYERS),
                 layer_types=list(ASSISTANT_LAYERS), hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
@@ -59,7 +63,7 @@ def build_assistant(name: str, seed: int = 0, *, ordered: bool = False, agree_wi
     """A float64 HF assistant for target config `name`. `agree_with` (the HF target, itself
     made with `bigram_target(..., eps)`): built to predict what that target predicts."""
     from transformers import Gemma4AssistantForCausalLM
-    cfg = assistant_config(name, ordered=ordered, hidden=G.CONFIGS[name]["hidden_size"] if agree_with is not None
+    cfg = assistant_config(name, ordered=ordered, hidden=TARGETS[name]["hidden_size"] if agree_with is not None
                            else 48, **overrides)
     torch.manual_seed(seed + 101)
     model = Gemma4AssistantForCausalLM(cfg)
@@ -83,6 +87,9 @@ def build_assistant(name: str, seed: int = 0, *, ordered: bool = False, agree_wi
             tm = _text_model(agree_with)
             model.model.norm.weight.copy_(tm.norm.weight)
             model.model.embed_tokens.weight.copy_(tm.embed_tokens.weight)
+            if ordered:  # a cluster's score: the sum of its tokens' logits (its best one usually wins)
+                clusters = model.masked_embedding.token_ordering.view(cfg.num_centroids, -1)
+                model.masked_embedding.centroids.weight.copy_(tm.embed_tokens.weight[clusters].sum(dim=1))
     return _finish(model)
 
 
@@ -90,10 +97,16 @@ def _text_model(target):
     return target.model.language_model if hasattr(target.model, "language_model") else target.model
 
 
-def bigram_target(name: str, seed: int = 0, eps: float = 0.0):
-    """gemma4_oracle.build_hf(name, seed) with every sub-layer's output scaled by eps."""
-    model = G.build_hf(name, seed)
+def bigram_target(name: str, seed: int = 0, eps: float = 0.0, norm_scale: float = 1.0):
+    """build_target(name, seed) with every sub-layer's output scaled by eps, and a final norm
+    weight drawn N(0, norm_scale^2): with the tied head, a weight near 1 makes every token its
+    own bigram successor (output repeating one token); a random one gives varied sequences
+    (norm_scale < 1: flatter distributions)."""
+    model = build_target(name, seed)
+    gen = torch.Generator().manual_seed(seed + 5)
     with torch.no_grad():
+        norm = _text_model(model).norm.weight
+        norm.copy_(torch.randn(norm.shape, generator=gen, dtype=norm.dtype) * norm_scale)
         for layer in _text_model(model).layers:
             for norm in ("post_attention_layernorm", "post_feedforward_layernorm", "post_per_layer_input_norm"):
                 if hasattr(layer, norm):
@@ -104,7 +117,7 @@ def bigram_target(name: str, seed: int = 0, eps: float = 0.0):
 def all_accept_pair(name: str, seed: int = 0):
     """Target and assistant whose final norms are zero: every logit is 0, both always pick
     token 0, so every draft is accepted."""
-    target, asst = G.build_hf(name, seed), build_assistant(name, seed)
+    target, asst = build_target(name, seed), build_assistant(name, seed)
     with torch.no_grad():
         _text_model(target).norm.weight.zero_()
         asst.model.norm.weight.zero_()
@@ -115,7 +128,7 @@ def all_reject_pair(name: str, seed: int = 0):
     """The assistant always drafts token 0 (zero final norm, so all its logits tie at 0) and
     the target's embedding row 0 is zero (its logit of token 0 is 0 while its largest is
     positive), so token 0 is never the target's choice and every draft is rejected."""
-    target, asst = G.build_hf(name, seed), build_assistant(name, seed)
+    target, asst = build_target(name, seed), build_assistant(name, seed)
     with torch.no_grad():
         _text_model(target).embed_tokens.weight[0].zero_()
         asst.model.norm.weight.zero_()
