@@ -340,3 +340,39 @@ def test_tensor_parallel_split_of_the_assistant(pairs):
     with pytest.raises(ConfigError, match="num_attention_heads=4 is not divisible by 3"):
         setup.check_tensor_parallel(3)
     assert (setup.kv_lookahead, setup.kv_read_back, setup.cache_spec(1).kv) == (0, 2, ())
+
+
+# ---- front ends ------------------------------------------------------------------------------------
+
+def test_serve_batch_drafts_with_the_assistant(pairs, tmp_path, capsys):
+    """examples/serve_batch.py --draft-model: the assistant's incompatibility is an input
+    error before the model loads; a compatible one generates the target's greedy tokens."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "serve_batch", Path(__file__).resolve().parent.parent / "examples" / "serve_batch.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    pair, prompts = pairs("dense", "agree", True, 0.1), _prompts()
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
+    args = ["--model", pair[2], "--prompts", tmp_path / "in.jsonl", "--num-spec", "3", "--max-tokens", "12", "--cpu",
+            "--ignore-eos", "--dtype", "float64"]
+    bad = _config_only(pair, tmp_path, backbone_hidden_size=32)
+    assert mod.main([str(a) for a in args + ["--draft-model", bad, "--output", tmp_path / "bad.jsonl"]]) == 2
+    assert "backbone_hidden_size=32" in capsys.readouterr().err and not (tmp_path / "bad.jsonl").exists()
+    assert mod.main([str(a) for a in args + ["--draft-model", pair[3], "--output", tmp_path / "out.jsonl"]]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["token_ids"] for r in rows] == _reference(pair[2], prompts, [12] * 3)
+    assert sum(r["num_accepted"] for r in rows) > 0
+
+
+def test_debug_mode_checks_the_assistant_boundaries(pairs):
+    import mtpkit
+    pair, prompts = pairs("e2b", "agree", True, 0.05), _prompts()
+    ref = _reference(pair[2], prompts, [10] * 3)
+    with mtpkit.debug() as trace:
+        ours, _ = _greedy(pair[2], prompts, [10] * 3, draft_model=pair[3], num_spec=2, max_num_seqs=4)
+    assert ours == ref
+    called = {f.rsplit(".", 2)[-2] + "." + f.rsplit(".", 1)[-1] for f in trace.functions()}
+    assert {"AssistantDrafter.propose", "Gemma4Assistant.step", "QOnlyAttention.forward",
+            "MaskedEmbedding.argmax"} <= called, sorted(called)
