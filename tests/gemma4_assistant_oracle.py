@@ -199,6 +199,23 @@ def drafts_after_full_round(target, asst, prompt: list[int], k: int):
     return committed, drafts, logits
 
 
+@torch.no_grad()
+def drafts_after_partial_round(target, asst, prompt: list[int], k: int, accepted: int):
+    """(committed tokens, transformers' k drafts) after a verify step that fed [t, drafts]
+    where only the first `accepted` drafts were the target's greedy tokens: transformers'
+    drafter then reads the verify step's KV past the last accepted token (the rejected
+    drafts'), which the committed context does not hold."""
+    gen = _generator(target, asst, k)
+    out = _target(target, prompt)
+    t = int(out.logits[0, -1].argmax())
+    _candidates(gen, prompt + [t], out, 0)
+    g = greedy(target, prompt + [t], k)
+    fed = g[:accepted] + [(g[accepted] + 1) % target.config.get_text_config().vocab_size] + g[accepted + 1:]
+    verify = _target(target, [t] + fed, cache=out.cache)
+    committed = [t] + fed[:accepted] + [int(verify.logits[0, accepted].argmax())]
+    return committed, _candidates(gen, prompt + committed, verify, accepted)[0]
+
+
 def tie_aware_equal(ours: list[int], theirs: list[int], logits: torch.Tensor, tol: float = 1e-9) -> bool:
     """Equal, or equal up to the first position where transformers' logits of the two tokens
     tie within tol (where later drafts may legitimately differ)."""

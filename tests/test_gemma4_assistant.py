@@ -121,7 +121,8 @@ def test_drafts_equal_transformers_at_batch_one_after_a_chunked_prefill(pairs, n
 def test_drafts_after_a_partial_rejection_read_only_the_committed_context(pairs, name):
     """Request i's verify step accepts i drafts of 4, so its bundle wrote KV for rejected
     drafts at positions >= p. Its next drafts equal transformers' drafts after prefilling
-    the committed context (clean), which a read of those positions would change."""
+    the committed context (clean), which a read of those positions would change: as
+    transformers' own drafter shows, whose drafts there (stale KV) differ."""
     pair, k = pairs(name), 4
     hf_t, hf_a = pair[:2]
     prompts = _prompts()
@@ -131,12 +132,17 @@ def test_drafts_after_a_partial_rejection_read_only_the_committed_context(pairs,
         g = A.greedy(hf_t, p + r.output_token_ids, k)
         r.drafts = g[:a] + [(g[a] + 1) % V] + g[a + 1:]    # draft a+1 is wrong
     llm.step()
+    stale_differs = []
     for a, (p, r) in enumerate(zip(prompts, reqs)):
         assert r.prev_num_emitted == a + 1
         context = p + r.output_token_ids
         t, hf, logits = A.drafts_after_prefill(hf_t, hf_a, context[:-1], k)
         assert t == context[-1]
         _check(r.drafts, hf, logits, f"after accepting {a} of {k} drafts")
+        committed, stale = A.drafts_after_partial_round(hf_t, hf_a, p, k, a)
+        assert committed == r.output_token_ids
+        stale_differs.append(stale != hf)
+    assert any(stale_differs), "reading the rejected drafts' KV was meant to change transformers' drafts"
 
 
 # ---- losslessness and the sampled distribution ----------------------------------------------------
