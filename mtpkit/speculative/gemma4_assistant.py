@@ -59,9 +59,9 @@ def setup(raw: dict, path: Path, target_cfg, num_spec: int, block_size: int, loa
 
     def check_checkpoint() -> None:
         if load_format == "safetensors" and cfg.use_ordered_embeddings and ORDERING not in checkpoint_index(path):
-            raise ConfigError(f"Gemma 4 assistant {path} sets use_ordered_embeddings but its checkpoint has no {ORDERING} "
-                              "(transformers would silently map every token to 0); use a checkpoint that holds it, "
-                              "or set use_ordered_embeddings to false if it was trained without it")
+            raise ConfigError(f"Gemma 4 assistant {path} sets use_ordered_embeddings but its checkpoint has no "
+                              f"{ORDERING} (transformers would silently map every token to 0); use a checkpoint "
+                              "that holds it, or set use_ordered_embeddings to false if it was trained without it")
 
     def build(target: Gemma4ForCausalLM, *, load) -> Drafter:
         # Each layer type reads where the target's source layer of that type keeps its KV.
