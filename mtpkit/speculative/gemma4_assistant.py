@@ -95,14 +95,16 @@ class AssistantDrafter(Drafter):
         self.target, self.assistant, self.num_spec, self.block_size = target, assistant, num_spec, block_size
         self.reads = assistant.kv_reads()      # target KV group -> window (None: full)
 
-    def target_block_table(self, inp: DraftInputs, group: str) -> Int[Tensor, "num_reqs_padded max_blocks"]:
+    def target_block_table(self, inp: DraftInputs, cache: CacheTensors, group: str
+                           ) -> Int[Tensor, "num_reqs_padded max_blocks"]:
         """The block table through which the rows read the target's KV group `group` (the
-        one place that picks it: today every group shares the step's table)."""
+        one place that picks it: today every group shares the step's table; with a pool per
+        group, the table of the pool `group` lives in)."""
         return inp.block_table
 
-    def _kv_read(self, inp: DraftInputs, group: str, window: int | None, p: Int[Tensor, "num_reqs_padded"]
-                 ) -> KVRead:
-        table = self.target_block_table(inp, group)
+    def _kv_read(self, inp: DraftInputs, cache: CacheTensors, group: str, window: int | None,
+                 p: Int[Tensor, "num_reqs_padded"]) -> KVRead:
+        table = self.target_block_table(inp, cache, group)
         ctx = min(inp.max_seq_len, table.shape[1] * self.block_size)     # p <= max_seq_len: keys < p fit
         first = None if window is None else (p - window).clamp(min=0)    # a sliding read: p-W-1 ..
         slots = context_slots(table, p - 1, self.block_size, ctx, first_pos=first)
@@ -113,7 +115,7 @@ class AssistantDrafter(Drafter):
         rows = inp.last_idx
         p = inp.positions[rows] + 1                 # the newest committed token's position: the round's
         token, h = inp.next_tokens[rows], inp.hidden[rows]
-        kv = {group: self._kv_read(inp, group, window, p) for group, window in self.reads.items()}
+        kv = {group: self._kv_read(inp, cache, group, window, p) for group, window in self.reads.items()}
         drafts = []
         for _ in range(self.num_spec):
             token, h = self.assistant.step(self.target.embed(token), h, p, kv, cache)
