@@ -145,6 +145,49 @@ def test_drafts_after_a_partial_rejection_read_only_the_committed_context(pairs,
     assert any(stale_differs), "reading the rejected drafts' KV was meant to change transformers' drafts"
 
 
+def _poison_outside_the_round(llm):
+    """Wrap the drafter so that, while it proposes, every KV slot of every real row that its
+    round must not read holds NaN (restored after): positions >= p in every target group, and
+    in sliding groups positions below p-W-1 (blocks the engine may recycle). A read of one,
+    even masked, turns the drafts into garbage (0 * NaN)."""
+    drafter, propose = llm.runner.drafter, llm.runner.drafter.propose
+    bs, W = llm.engine_config.block_size, llm.model_config.sliding_window
+
+    def poisoned(inp, cache):
+        p = (inp.positions[inp.last_idx] + 1).tolist()
+        saved = []
+        for row, table in enumerate(inp.block_table.tolist()):
+            blocks = [b for b in table if b]
+            if not blocks:
+                continue                                   # a padded row: the null block
+            for group, layers in cache.kv.items():
+                low = p[row] - W - 1 if "sliding" in group else 0
+                positions = [q for q in range(len(blocks) * bs) if q >= p[row] or q < low]
+                slots = torch.tensor([blocks[q // bs] * bs + q % bs for q in positions], dtype=torch.int64)
+                for k_cache, v_cache in layers:
+                    for c in (k_cache, v_cache):
+                        flat = c.view(-1, *c.shape[2:])
+                        saved.append((flat, slots, flat[slots].clone()))
+                        flat[slots] = float("nan")
+        try:
+            return propose(inp, cache)
+        finally:
+            for flat, slots, values in reversed(saved):
+                flat[slots] = values
+    drafter.propose = poisoned
+
+
+@pytest.mark.parametrize("name,ordered", [("dense", True), ("e2b", False)])
+def test_drafts_never_read_keys_outside_the_round(pairs, name, ordered):
+    """With NaN in every slot the round must not read (see _poison_outside_the_round), the
+    drafts still equal transformers', after a prefill and after a full round (block size 4:
+    the sliding reads start inside a block, with whole poisoned blocks below)."""
+    pair = pairs(name, ordered=ordered)
+    llm = _llm(pair, 3, block_size=4)
+    _poison_outside_the_round(llm)
+    _check_prefill_and_full_round(llm, pair, _prompts(), 3)
+
+
 # ---- losslessness and the sampled distribution ----------------------------------------------------
 
 _REF: dict = {}
