@@ -148,7 +148,7 @@ class Gemma4Assistant(nn.Module):
         self.masked_embedding = MaskedEmbedding(cfg, tp) if cfg.use_ordered_embeddings else None
 
     @staticmethod
-    def check_tensor_parallel(cfg: Gemma4AssistantConfig, size: int) -> list[str]:
+    def tensor_parallel_problems(cfg: Gemma4AssistantConfig, size: int) -> list[str]:
         """What `size` ranks cannot split, one line each (config.json alone)."""
         t = cfg.text
         return [f"the assistant's {name}={n} is not divisible by {size}" for name, n in

@@ -52,7 +52,7 @@ def setup(raw: dict, path: Path, target_cfg, num_spec: int, block_size: int, loa
                           + "; use the assistant trained for this target")
 
     def check_tensor_parallel(size: int) -> None:
-        problems = Gemma4Assistant.check_tensor_parallel(cfg, size)
+        problems = Gemma4Assistant.tensor_parallel_problems(cfg, size)
         if problems:
             raise ConfigError(f"tensor_parallel_size={size} cannot split the Gemma 4 assistant: " + "; ".join(problems)
                               + "; choose a tensor_parallel_size that divides them")
@@ -73,6 +73,8 @@ def setup(raw: dict, path: Path, target_cfg, num_spec: int, block_size: int, loa
         _check_ordering(assistant, path)
         return AssistantDrafter(target, assistant, num_spec, block_size)
 
+    # Its round at p reads sliding keys p-W-1..p-1; the target's own window at p starts at
+    # p-W+1: two positions more to keep (kv_read_back).
     return DraftSetup(name="gemma4 assistant", num_spec=num_spec, kv_lookahead=0, kv_read_back=2,
                       cache_spec=lambda tp_size: CacheSpec(), check_tensor_parallel=check_tensor_parallel,
                       build=build, check_checkpoint=check_checkpoint)
