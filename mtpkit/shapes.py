@@ -81,6 +81,8 @@ DIMS: dict[str, str] = {
     "num_blocks": "paged-KV blocks in the pool (block 0 is the null block)",
     "block_size": "tokens per KV block",
     "max_blocks": "block-table width: blocks a request may hold",
+    "kv_pools": "KV block pools (engine.kv_pools: full attention, one per sliding window): one block "
+                "table and slot mapping each",
     "num_slots": "recurrent-state slots in the pool (slot 0 is the null slot)",
     "num_layers": "layers of one cache group in the model",
 }

@@ -156,14 +156,15 @@ def _poison_outside_the_round(llm):
     def poisoned(inp, cache):
         p = (inp.positions[inp.last_idx] + 1).tolist()
         saved = []
-        for row, table in enumerate(inp.block_table.tolist()):
-            blocks = [b for b in table if b]
-            if not blocks:
-                continue                                   # a padded row: the null block
-            for group, layers in cache.kv.items():
+        for group, layers in cache.kv.items():
+            for row, table in enumerate(inp.block_tables[cache.pool_index[group]].tolist()):
                 low = p[row] - W - 1 if "sliding" in group else 0
-                positions = [q for q in range(len(blocks) * bs) if q >= p[row] or q < low]
-                slots = torch.tensor([blocks[q // bs] * bs + q % bs for q in positions], dtype=torch.int64)
+                # the row's own blocks only (a padded row's, and recycled entries, are the null block)
+                slots = [table[q // bs] * bs + q % bs for q in range(len(table) * bs)
+                         if table[q // bs] and (q >= p[row] or q < low)]
+                if not slots:
+                    continue
+                slots = torch.tensor(slots, dtype=torch.int64)
                 for k_cache, v_cache in layers:
                     for c in (k_cache, v_cache):
                         flat = c.view(-1, *c.shape[2:])
@@ -425,3 +426,39 @@ def test_debug_mode_checks_the_assistant_boundaries(pairs):
     called = {f.rsplit(".", 2)[-2] + "." + f.rsplit(".", 1)[-1] for f in trace.functions()}
     assert {"AssistantDrafter.propose", "Gemma4Assistant.step", "QOnlyAttention.forward",
             "MaskedEmbedding.argmax"} <= called, sorted(called)
+
+
+def test_recycled_sliding_kv_keeps_what_the_assistant_reads(pairs):
+    """A generation far longer than the window with the sliding pool recycling its blocks
+    (each freed block, and the null block, filled with NaN when freed): the assistant's drafts,
+    the tokens and the acceptance counts equal a run that keeps every block. Its reads reach
+    two keys below the target's window (kv_read_back 2), so those blocks must be kept."""
+    pair = pairs("dense", "agree", True, 0.1)
+    W, prompts = 5, _prompts((12, 3), seed=90)
+    params = SamplingParams(max_tokens=80, ignore_eos=True)
+    base = dict(F64, max_model_len=120, block_size=4, max_num_batched_tokens=8, max_num_seqs=2)
+
+    def run(**kw):
+        llm = LLM(pair[2], draft_model=pair[3], num_spec=3, **{**base, **kw})
+        proposed, propose = [], llm.runner.drafter.propose
+        llm.runner.drafter.propose = lambda inp, cache: proposed.append(propose(inp, cache).tolist()) or \
+            torch.tensor(proposed[-1])
+        return llm, proposed
+    keep, keep_drafts = run(recycle_sliding_kv=False)
+    ref = [o.token_ids for o in keep.generate(prompts, params)]
+    llm, drafts = run()
+    groups = [g for g, i in llm.cache.pool_index.items() if llm.cache.pool_windows[i] == W]
+    tensors = [t for g in groups for kv in llm.cache.kv[g] for t in kv]
+    alloc, freed, free = llm.kv_pools[f"sliding_{W}"], [], llm.kv_pools[f"sliding_{W}"].free
+
+    def poisoned_free(blocks):
+        for t in tensors:
+            t[blocks] = float("nan")
+        freed.extend(blocks)
+        free(blocks)
+    alloc.free = poisoned_free
+    for t in tensors:
+        t[0] = float("nan")
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    assert freed, "the sliding pool was meant to recycle blocks"
+    assert drafts == keep_drafts and llm.stats == keep.stats and llm.stats.num_accepted > 0

@@ -41,7 +41,7 @@ def test_budget_sizes_the_pools(ckpt, capsys):
     assert 0 <= left < plan.bytes_per_block
     ecfg = llm.engine_config
     assert plan.num_slots == 1 + ecfg.max_num_seqs * ecfg.bundle
-    assert llm.blocks.num_free == plan.num_blocks - 1
+    assert llm.kv_pools.num_free == {"full": plan.num_blocks - 1}
     assert plan.max_concurrent == min(ecfg.max_num_seqs, (plan.num_blocks - 1) // ecfg.max_blocks) >= 1
     err = capsys.readouterr().err
     assert f"{plan.num_blocks} KV blocks" in err and f"{plan.num_slots} state slots" in err
@@ -156,7 +156,7 @@ def test_profile_run_resizes_the_kv_pool(ckpt, monkeypatch):
     assert plan.activation_source == "measured" and plan.activation_bytes == peak
     assert plan.num_blocks == estimated.num_blocks - 50 and plan.num_slots == estimated.num_slots
     assert _bytes(list(_flatten(llm.cache))) == plan.cache_bytes
-    assert llm.blocks.num_free == plan.num_blocks - 1 and llm.runner.cache is llm.cache
+    assert llm.kv_pools.num_free == {"full": plan.num_blocks - 1} and llm.runner.cache is llm.cache
     out = llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=8))
     assert all(len(o.token_ids) == 8 for o in out)
 

@@ -201,6 +201,7 @@ class Attention(nn.Module):
                 cache: CacheTensors) -> Float[Tensor, "num_tokens hidden"]:
         hq, hkv, hd = self.heads, self.kv_heads, self.hd
         k_cache, v_cache = cache.kv[self.kv_group][self.kv_index]
+        pool = cache.pool_index[self.kv_group]
         if self.shared:
             q = self.q_proj(x).view(-1, hq, hd)
         else:
@@ -209,15 +210,16 @@ class Attention(nn.Module):
             k = h[:, hq * hd:(hq + hkv) * hd].view(-1, hkv, hd)
             v = k if self.k_eq_v else h[:, (hq + hkv) * hd:].view(-1, hkv, hd)
             k = self.rope(positions, self.k_norm(k))
-            self.ops.write_kv(k, self.v_norm(v), k_cache, v_cache, meta.slot_mapping)
+            self.ops.write_kv(k, self.v_norm(v), k_cache, v_cache, meta.slot_mappings[pool])
         q = self.rope(positions, self.q_norm(q))
         if isinstance(meta, PrefillMetadata):
             o = self.ops.paged_attention_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                                 meta.block_table, 1.0, sliding_window=self.window)
+                                                 meta.block_tables[pool], 1.0, sliding_window=self.window)
         else:
             o = self.ops.paged_attention_verify(q.view(meta.num_reqs_padded, meta.q_len, hq, hd), k_cache, v_cache,
-                                                meta.seq_lens, meta.block_table, 1.0, sliding_window=self.window,
-                                                max_seq_len=meta.max_seq_len, kv_slots=meta.kv_slots)
+                                                meta.seq_lens, meta.block_tables[pool], 1.0,
+                                                sliding_window=self.window, max_seq_len=meta.max_seq_len,
+                                                kv_slots=None if meta.kv_slots is None else meta.kv_slots[pool])
         return self.o_proj(o.reshape(-1, hq * hd))
 
 

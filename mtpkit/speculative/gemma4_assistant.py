@@ -100,9 +100,8 @@ class AssistantDrafter(Drafter):
     def target_block_table(self, inp: DraftInputs, cache: CacheTensors, group: str
                            ) -> Int[Tensor, "num_reqs_padded max_blocks"]:
         """The block table through which the rows read the target's KV group `group` (the
-        one place that picks it: today every group shares the step's table; with a pool per
-        group, the table of the pool `group` lives in)."""
-        return inp.block_table
+        one place that picks it): that of the pool the group lives in."""
+        return inp.block_tables[cache.pool_index[group]]
 
     def _kv_read(self, inp: DraftInputs, cache: CacheTensors, group: str, window: int | None,
                  p: Int[Tensor, "num_reqs_padded"]) -> KVRead:
