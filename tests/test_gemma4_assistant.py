@@ -430,35 +430,47 @@ def test_debug_mode_checks_the_assistant_boundaries(pairs):
 
 def test_recycled_sliding_kv_keeps_what_the_assistant_reads(pairs):
     """A generation far longer than the window with the sliding pool recycling its blocks
-    (each freed block, and the null block, filled with NaN when freed): the assistant's drafts,
-    the tokens and the acceptance counts equal a run that keeps every block. Its reads reach
-    two keys below the target's window (kv_read_back 2), so those blocks must be kept."""
+    (each freed block, and the null block, filled with NaN when freed): the assistant's drafts
+    (eager), the tokens and the acceptance counts (eager and traced graphs) equal a run that
+    keeps every block. Its reads reach below the target's window (kv_read_back), so those
+    blocks must be kept: with kv_read_back 0 the drafts read freed blocks."""
     pair = pairs("dense", "agree", True, 0.1)
     W, prompts = 5, _prompts((12, 3), seed=90)
     params = SamplingParams(max_tokens=80, ignore_eos=True)
     base = dict(F64, max_model_len=120, block_size=4, max_num_batched_tokens=8, max_num_seqs=2)
 
-    def run(**kw):
+    def run(poison, **kw):
         llm = LLM(pair[2], draft_model=pair[3], num_spec=3, **{**base, **kw})
-        proposed, propose = [], llm.runner.drafter.propose
-        llm.runner.drafter.propose = lambda inp, cache: proposed.append(propose(inp, cache).tolist()) or \
-            torch.tensor(proposed[-1])
-        return llm, proposed
-    keep, keep_drafts = run(recycle_sliding_kv=False)
-    ref = [o.token_ids for o in keep.generate(prompts, params)]
-    llm, drafts = run()
-    groups = [g for g, i in llm.cache.pool_index.items() if llm.cache.pool_windows[i] == W]
-    tensors = [t for g in groups for kv in llm.cache.kv[g] for t in kv]
-    alloc, freed, free = llm.kv_pools[f"sliding_{W}"], [], llm.kv_pools[f"sliding_{W}"].free
+        if llm.runner.graphs is not None:
+            llm.runner.graphs.trace_after = 0
+        else:  # eager: record every proposal (a host read, which a traced graph cannot hold)
+            proposed, propose = [], llm.runner.drafter.propose
+            llm.runner.drafter.propose = lambda inp, cache: proposed.append(propose(inp, cache)) or proposed[-1]
+        freed = []
+        if poison:
+            groups = [g for g, i in llm.cache.pool_index.items() if llm.cache.pool_windows[i] == W]
+            tensors = [t for g in groups for kv in llm.cache.kv[g] for t in kv]
+            alloc = llm.kv_pools[f"sliding_{W}"]
+            free = alloc.free
 
-    def poisoned_free(blocks):
-        for t in tensors:
-            t[blocks] = float("nan")
-        freed.extend(blocks)
-        free(blocks)
-    alloc.free = poisoned_free
-    for t in tensors:
-        t[0] = float("nan")
-    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
-    assert freed, "the sliding pool was meant to recycle blocks"
-    assert drafts == keep_drafts and llm.stats == keep.stats and llm.stats.num_accepted > 0
+            def poisoned_free(blocks):
+                for t in tensors:
+                    t[blocks] = float("nan")
+                freed.extend(blocks)
+                free(blocks)
+            alloc.free = poisoned_free
+            for t in tensors:
+                t[0] = float("nan")
+        tokens = [o.token_ids for o in llm.generate(prompts, params)]
+        graphs = llm.runner.graphs
+        # traced with inert rows over the NaN null block: a padded row's drafts stay in range
+        assert graphs is None or (graphs.trace and graphs.propose_graphs), "a decode graph failed to trace"
+        drafts = [d.tolist() for d in proposed] if graphs is None else None
+        return tokens, drafts, llm.stats, freed
+    ref, ref_drafts, ref_stats, _ = run(False, recycle_sliding_kv=False, enforce_eager=True)
+    assert ref_stats.num_accepted > 0
+    for eager in (True, False):
+        tokens, drafts, stats, freed = run(True, enforce_eager=eager)
+        assert freed, "the sliding pool was meant to recycle blocks"
+        assert tokens == ref and stats == ref_stats
+        assert eager is False or drafts == ref_drafts

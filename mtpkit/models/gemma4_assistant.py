@@ -125,7 +125,9 @@ class MaskedEmbedding(nn.Module):
         if tp.size > 1:
             scores = tp.all_reduce(scores.masked_fill(outside, 0.0))
         best = scores.max(dim=-1, keepdim=True).values
-        return torch.where(scores == best, cand, self.vocab).min(dim=-1).values
+        # The clamp: a row whose scores are NaN (no candidate equals the max; e.g. a padded row
+        # over a poisoned null block) still drafts an id in range, as argmax would.
+        return torch.where(scores == best, cand, self.vocab).min(dim=-1).values.clamp(max=self.vocab - 1)
 
 
 class Gemma4Assistant(nn.Module):
