@@ -12,7 +12,8 @@ transformers 5.24 (gemma4_assistant_oracle.py), in float64:
   one (rejections, preemption); sampled output has the target's distribution (chi-square);
 - exact metrics for all-accept and all-reject runs; CPU graphs (traced verify, proposal and
   prefill proposal, padded rows) equal eager;
-- every incompatibility is a ConfigError before any weight is read.
+- every incompatibility is a ConfigError before any weight is read; serve_batch and debug
+  mode; recycled sliding-window blocks keep what the assistant reads.
 Tensor parallelism and the Triton backend: test_gemma4_assistant_tp.py and _triton.py.
 """
 
@@ -427,6 +428,8 @@ def test_debug_mode_checks_the_assistant_boundaries(pairs):
     assert {"AssistantDrafter.propose", "Gemma4Assistant.step", "QOnlyAttention.forward",
             "MaskedEmbedding.argmax"} <= called, sorted(called)
 
+
+# ---- sliding-window KV recycling -----------------------------------------------------------------
 
 def test_recycled_sliding_kv_keeps_what_the_assistant_reads(pairs):
     """A generation far longer than the window with the sliding pool recycling its blocks
