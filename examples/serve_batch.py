@@ -42,6 +42,7 @@ from mtpkit import LLM, InputError, MtpkitError, SamplingParams
 from mtpkit.cli import add_memory_options, memory_kwargs
 from mtpkit.models.registry import read_config, resolve_model
 from mtpkit.parallel import replica_ranks
+from mtpkit.speculative import setup_drafter
 
 SAMPLES = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
            "Speculative decoding works by"]
@@ -177,8 +178,14 @@ def check_inputs(args) -> list:
     if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
         raise InputError(f"--tensor-parallel-size {args.tensor_parallel_size} must be >= 1")
     replica_ranks(world, args.tensor_parallel_size or world)
-    family.model_class.check_tensor_parallel(cfg, args.tensor_parallel_size or world,
-                                             with_mtp=bool(args.num_spec) and args.draft_model is None)
+    # The drafter's setup says what the target builds for it (the MTP head) and how it splits
+    # (the same checks LLM runs; LLM's default block size, which this script keeps).
+    draft = setup_drafter(family, cfg, model, num_spec=args.num_spec, draft_model=args.draft_model, block_size=16,
+                          load_format="safetensors")
+    size = args.tensor_parallel_size or world
+    family.model_class.check_tensor_parallel(cfg, size, **(draft.target_kwargs if draft else {}))
+    if draft is not None:
+        draft.check_tensor_parallel(size)
     prompts, lines = read_prompts(args.prompts, (model / "tokenizer.json").exists(), cfg.vocab_size)
     bad = [p for p in prompts if isinstance(p, BadLine)]
     if bad and not args.keep_going:

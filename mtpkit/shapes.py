@@ -78,6 +78,9 @@ DIMS: dict[str, str] = {
                 "token-expert pair)",
     "layers": "decoder layers of the model (Gemma 4's per-layer inputs, one slice per layer)",
     "ple_dim": "Gemma 4 per-layer embedding width (hidden_size_per_layer_input)",
+    "backbone_hidden": "hidden size of the target a drafter reads (the Gemma 4 assistant's backbone_hidden_size)",
+    "centroids": "token clusters of the Gemma 4 assistant's ordered-embedding head (num_centroids)",
+    "candidates": "tokens the Gemma 4 assistant's centroid head scores: top-k clusters x vocab / num_centroids",
     # cache geometry
     "num_blocks": "paged-KV blocks in the pool (block 0 is the null block)",
     "block_size": "tokens per KV block",

@@ -67,6 +67,9 @@ def family_of(raw: dict, where: str) -> ModelFamily:
     type is not a family) its text_config's."""
     _builtin_families()
     mt = raw.get("model_type")
+    if mt == "gemma4_assistant":
+        raise ConfigError(f"{where}: model_type 'gemma4_assistant' is a Gemma 4 assistant, a drafter that reads its "
+                          "target's KV and cannot run alone; pass it as draft_model= with its Gemma 4 target")
     if mt not in FAMILIES and isinstance(raw.get("text_config"), dict):
         mt = raw["text_config"].get("model_type", mt)
     if mt not in FAMILIES:
