@@ -109,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--num-spec", type=_int_at_least(0), default=3, help="draft tokens per step (0 = no speculation)")
     g.add_argument("--draft-model", default=None,
                    help="checkpoint directory or built-in name of a separate drafter (default: the model's own, "
-                        "e.g. Qwen3-Next's MTP head)")
+                        "e.g. Qwen3-Next's MTP head, or the one its checkpoint names: tiny-gemma4's assistant)")
     g.add_argument("--max-tokens", type=_int_at_least(1), default=128, help="tokens to generate at most")
     g.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop when the text contains STR (not printed); repeat for several")
@@ -135,10 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = None
     import mtpkit
-    from mtpkit.models.registry import builtin_models
+    from mtpkit.models.registry import builtin_models, describe_builtin
 
     if args.command == "models":
-        print("\n".join(builtin_models()) or "(none)")
+        print("\n".join(describe_builtin(m) for m in builtin_models()) or "(none)")
         return 0
     try:
         llm = mtpkit.LLM(args.model, num_spec=args.num_spec, draft_model=args.draft_model, dtype=args.dtype,

@@ -6,8 +6,9 @@ logical block b (positions b*block_size ...) -> a block id of that pool. A full 
 grows with the request. A sliding pool's table returns to its pool every block that no reader
 can need any more, as the request advances: a step whose first query is at position s reads
 keys >= s - W + 1 (each query p sees p-W+1 .. p), and a drafter that reads the target's KV
-declares `kv_read_back` positions more (the Gemma 4 assistant's queries see one key further
-back than the target's), so the blocks wholly below s - W + 1 - kv_read_back are freed, and
+declares `kv_read_back` positions more before its query's window (the Gemma 4 assistant: 2, its
+round at p reading p-W-1 ..; as p > s, that keeps one key more than it needs), so the blocks
+wholly below s - W + 1 - kv_read_back are freed, and
 their entries become the null block 0. Nothing below that position is ever read: the
 attention kernels start at the window, and the torch gathers clamp positions below it to the
 first one the window needs (paged.context_slots). A sliding pool's demand per request is

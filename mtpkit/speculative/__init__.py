@@ -3,14 +3,16 @@ Qwen3-Next MTP head; draft_model.py: a small model of a supported family; gemma4
 Gemma 4's assistant, which reads the target's KV) and lossless verification (rejection.py).
 
 `setup_drafter` picks the drafter from the target's family and an optional draft checkpoint
-(its model_type: a `gemma4_assistant` gets its own drafter), from config.json files alone,
-before any weight is read.
+(its model_type: a `gemma4_assistant` gets its own drafter), else the family's own drafter,
+else the one the checkpoint names in its mtpkit.json, from config.json files alone, before
+any weight is read.
 """
 
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..models.registry import ModelFamily, read_config, read_config_json, resolve_model
+from ..models.registry import (ModelFamily, checkpoint_default_drafter, read_config, read_config_json,
+                               resolve_model)
 from .drafter import DraftSetup
 
 
@@ -20,6 +22,9 @@ def setup_drafter(family: ModelFamily, cfg, path: Path, *, num_spec: int, draft_
         if draft_model is not None:
             raise ConfigError("draft_model= is given but num_spec=0; pass num_spec >= 1 to draft with it")
         return None
+    if draft_model is None and family.default_drafter is None:
+        # A checkpoint may name its drafter (the embedded tiny-gemma4: its trained assistant).
+        draft_model = checkpoint_default_drafter(path)
     if draft_model is not None:
         draft_path = resolve_model(draft_model)
         raw = read_config_json(draft_path)
