@@ -36,11 +36,11 @@ TOKEN = "mtpkit-browser-check"
 
 
 # Long enough (3 x 1900 tokens) that the click lands while the cell runs.
-STOP_CELL = ("free = (llm.blocks.num_free, llm.slots.num_free)\n"
+STOP_CELL = ("free = (llm.kv_pools.num_free, llm.slots.num_free)\n"
              "long = watch(llm, prompts, SamplingParams(max_tokens=1900, ignore_eos=True))")
 STOP_REPORT = ("print('STOPCHECK', json.dumps({'reasons': [o.finish_reason for o in long], "
                "'lengths': [len(o.token_ids) for o in long], "
-               "'pools_free': (llm.blocks.num_free, llm.slots.num_free) == free, "
+               "'pools_free': (llm.kv_pools.num_free, llm.slots.num_free) == free, "
                "'via_subshell': mtpkit.notebook.stop_channel._subshell_id is not None}))")
 
 

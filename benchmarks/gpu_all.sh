@@ -1,12 +1,15 @@
 #!/bin/bash
-# Every GPU check in one command, for a session lent a device (issues 4, 5 and 18):
-# the suite's CUDA tests (the Triton kernel tests natively on the GPU, the sm_90 compile test,
-# the roofline byte counts), the kernel timings (gpu_kernels.py), the graph path
-# (gpu_check.py) and the roofline of a verify step at real shapes (roofline.py, batch 1 and 8,
-# num_spec 0 and 3). Every log goes to one folder: $OUT (the device tool's folder) or
-# ./gpu-logs. Missing Python packages travel as wheels in .whl/ (beartype is not on the device
-# image). Each part runs under its own time limit (T_TESTS, T_KERNELS, T_CHECK seconds, T_ROOF per
-# roofline run; 0 skips that part).
+# Every GPU check in one command, for a session lent a device (issues 4, 5, 18 and 19):
+# the suite's CUDA tests (the Triton kernel tests natively on the GPU, the FP8 ones included,
+# the sm_90 compile test, the roofline byte counts), the kernel timings (gpu_kernels.py), the
+# graph path (gpu_check.py parts 1-4), FP8 checkpoints kept in FP8 with the
+# gpu_memory_utilization profile run (gpu_check.py part 5 = gpu_fp8.py; FP8_ARGS, e.g.
+# "--fp8-models qwen3-next --fp8-experts 32") and the roofline of a verify step at real shapes
+# (roofline.py, batch 1 and 8, num_spec 0 and 3). Every log goes to one folder: $OUT (the device
+# tool's folder) or ./gpu-logs. Missing Python packages travel as wheels in .whl/ (beartype is
+# not on the device image). Each part runs under its own time limit (T_TESTS, T_KERNELS,
+# T_CHECK, T_FP8 seconds, T_ROOF per roofline run; 0 skips that part): pick the parts that fit
+# the session's device time (T_FP8=150 T_TESTS=150 with the others 0 checks issue 19 alone).
 #   bash benchmarks/gpu_all.sh
 set -u
 OUT=${OUT:-gpu-logs}
@@ -33,6 +36,11 @@ start=$(date +%s)
 if [ "${T_CHECK:-200}" != 0 ]; then
     timeout "${T_CHECK:-200}" python3 benchmarks/gpu_check.py ${CHECK_ARGS:-} 2>&1 | tee "$OUT/gpu_check.log"
     echo "[gpu_check: $(( $(date +%s) - start )) s]"
+fi
+start=$(date +%s)
+if [ "${T_FP8:-150}" != 0 ]; then
+    timeout "${T_FP8:-150}" python3 benchmarks/gpu_check.py --parts 5 ${FP8_ARGS:-} 2>&1 | tee "$OUT/gpu_fp8.log"
+    echo "[gpu_fp8: $(( $(date +%s) - start )) s]"
 fi
 start=$(date +%s)
 if [ "${T_ROOF:-90}" != 0 ]; then

@@ -12,6 +12,10 @@
    and the last one full), random weights: fp32 CUDA graphs vs enforce_eager tokens at the
    token-check batches (num_spec 0: Gemma 4 drafts only with its assistant, a later issue),
    then bf16 verify-step latency, graphs vs eager, at the latency batches.
+5. FP8 checkpoints kept in FP8 (benchmarks/gpu_fp8.py): Qwen3-Next and Gemma 4 26B-A4B widths,
+   the Triton block-scaled kernels against their torch reference, logits against the
+   dequantized twin, weight bytes, the gpu_memory_utilization plan (profile run) and graphs vs
+   eager tokens. Options --fp8-*.
 
     python benchmarks/gpu_check.py [--layers 4] [--experts 512] [--max-tokens 16]
 
@@ -30,6 +34,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_fp8  # noqa: E402
 
 
 def real_config(layers: int, experts: int) -> dict:
@@ -223,6 +230,11 @@ def check_gemma4(args) -> bool:
     return ok
 
 
+def fp8_args(args) -> argparse.Namespace:
+    """Part 5's options (--fp8-*) as gpu_fp8.py names them."""
+    return argparse.Namespace(device=args.device, **{k[4:]: v for k, v in vars(args).items() if k.startswith("fp8_")})
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -237,6 +249,7 @@ def main() -> int:
     ap.add_argument("--gemma-layers", type=int, default=6)
     ap.add_argument("--gemma-vocab", type=int, default=None, help="part 4: a smaller vocabulary (CPU dry runs)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script's own logic")
+    gpu_fp8.add_args(ap, prefix="fp8-")
     args = ap.parse_args()
     import torch
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -249,7 +262,8 @@ def main() -> int:
     print(f"device {name}, torch {torch.__version__}", flush=True)
     ok = True
     for part, fn in ((1, lambda: check_real_shapes(path, args)), (2, lambda: check_tiny(args)),
-                     (3, lambda: latency(path, args)), (4, lambda: check_gemma4(args))):
+                     (3, lambda: latency(path, args)), (4, lambda: check_gemma4(args)),
+                     (5, lambda: gpu_fp8.check_fp8(fp8_args(args)))):
         if part not in args.parts:
             continue
         try:
@@ -258,7 +272,7 @@ def main() -> int:
             import traceback
             traceback.print_exc()
             ok = False
-    print("\ngpu_check:", "all tokens identical" if ok else "FAILED (see above)")
+    print("\ngpu_check:", "all checks passed" if ok else "FAILED (see above)")
     return 0 if ok else 1
 
 

@@ -21,6 +21,9 @@ finished request to its part file (OUTPUT.part-R-of-K, flushed per request, with
 line number), so a killed job loses only the requests in flight; --resume skips the lines found
 in the output and the part files. Rank 0 prints the whole job's progress, gathers every
 replica's records and writes OUTPUT complete and in input order.
+The memory options are `mtpkit generate`'s (--gpu-memory-utilization, --memory-budget,
+--kv-cache-memory, --state-cache-memory, --num-blocks, --num-state-slots, --fp8-weights), for
+each rank's device; a budget's plan is printed to stderr.
 """
 
 import argparse
@@ -36,8 +39,10 @@ import torch.distributed as dist
 from accelerate import PartialState
 
 from mtpkit import LLM, InputError, MtpkitError, SamplingParams
+from mtpkit.cli import add_memory_options, memory_kwargs
 from mtpkit.models.registry import read_config, resolve_model
 from mtpkit.parallel import replica_ranks
+from mtpkit.speculative import setup_drafter
 
 SAMPLES = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
            "Speculative decoding works by"]
@@ -68,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
                         "prompts (default: every launched process is one replica)")
     p.add_argument("--resume", action="store_true",
                    help="skip input lines already in --output or its part files (a killed run's results)")
+    add_memory_options(p)
     # Test hook: the process exits (as if killed) after writing this many records.
     p.add_argument("--exit-after", type=int, default=None, help=argparse.SUPPRESS)
     return p
@@ -172,8 +178,14 @@ def check_inputs(args) -> list:
     if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
         raise InputError(f"--tensor-parallel-size {args.tensor_parallel_size} must be >= 1")
     replica_ranks(world, args.tensor_parallel_size or world)
-    family.model_class.check_tensor_parallel(cfg, args.tensor_parallel_size or world,
-                                             with_mtp=bool(args.num_spec) and args.draft_model is None)
+    # The drafter's setup says what the target builds for it (the MTP head) and how it splits
+    # (the same checks LLM runs; LLM's default block size, which this script keeps).
+    draft = setup_drafter(family, cfg, model, num_spec=args.num_spec, draft_model=args.draft_model, block_size=16,
+                          load_format="safetensors")
+    size = args.tensor_parallel_size or world
+    family.model_class.check_tensor_parallel(cfg, size, **(draft.target_kwargs if draft else {}))
+    if draft is not None:
+        draft.check_tensor_parallel(size)
     prompts, lines = read_prompts(args.prompts, (model / "tokenizer.json").exists(), cfg.vocab_size)
     bad = [p for p in prompts if isinstance(p, BadLine)]
     if bad and not args.keep_going:
@@ -325,7 +337,7 @@ def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
         return 0
     llm = LLM(args.model, num_spec=args.num_spec, draft_model=args.draft_model, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, dtype=args.dtype, seed=args.seed,
-              device="cpu" if cpu else state.device, tensor_parallel_size=size)
+              device="cpu" if cpu else state.device, tensor_parallel_size=size, **memory_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             ignore_eos=args.ignore_eos)
     # Bad lines cost nothing to run: replica 0 writes them. The rest are dealt by length.

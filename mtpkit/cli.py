@@ -1,7 +1,11 @@
 """`mtpkit generate "def fibonacci(n):" --num-spec 3`: stream a completion, then print the
-speculation stats. `--debug` checks every boundary and prints the shape trace of the run."""
+speculation stats. `--debug` checks every boundary and prints the shape trace of the run.
+Memory: `--gpu-memory-utilization 0.9` (CUDA) or `--memory-budget 64GiB` size the caches from
+what the weights and activations leave (the plan is printed); `--fp8-weights` keeps or
+dequantizes an FP8 checkpoint's weights."""
 
 import argparse
+import re
 import sys
 import time
 
@@ -36,6 +40,62 @@ def _int_at_least(lo: int):
     return parse
 
 
+_UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "m": 10 ** 6, "mb": 10 ** 6, "g": 10 ** 9, "gb": 10 ** 9,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "t": 10 ** 12, "tb": 10 ** 12}
+
+
+def byte_count(value: str) -> int:
+    """A positive byte count: an int, or a number with a unit (512MiB, 8GiB, 1.5GB; K/M/G are
+    powers of 1000, KiB/MiB/GiB of 1024)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", value)
+    unit = m and m.group(2).lower()
+    if not m or unit not in _UNITS or int(float(m.group(1)) * _UNITS[unit]) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive byte count (e.g. 68719476736, 64GiB, 1.5GB)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def utilization(value: str) -> float:
+    try:
+        u = float(value)
+    except ValueError:
+        u = None
+    if u is None or not 0 < u <= 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number in (0, 1]")
+    return u
+
+
+FP8_WEIGHTS = {"auto": None, "keep": True, "dequantize": False}
+
+
+def add_memory_options(p: argparse.ArgumentParser) -> None:
+    """The LLM constructor's memory options (shared with examples/serve_batch.py)."""
+    m = p.add_argument_group("memory", "how the KV and state pools are sized (give a budget, or explicit sizes, "
+                                       "or neither: enough for the workload)")
+    m.add_argument("--gpu-memory-utilization", type=utilization, default=None, metavar="U",
+                   help="share of the GPU's memory the engine may use, in (0, 1] (CUDA): weights, activations "
+                        "(measured by a profile run), then the state and KV pools")
+    m.add_argument("--memory-budget", type=byte_count, default=None, metavar="BYTES",
+                   help="bytes the engine may use on its device (any device), e.g. 64GiB")
+    m.add_argument("--kv-cache-memory", type=byte_count, default=None, metavar="BYTES", help="bytes of the KV pool")
+    m.add_argument("--state-cache-memory", type=byte_count, default=None, metavar="BYTES",
+                   help="bytes of the recurrent-state pool")
+    m.add_argument("--num-blocks", type=_int_at_least(2), default=None,
+                   help="KV blocks in the pool (the null block included)")
+    m.add_argument("--num-state-slots", type=_int_at_least(2), default=None,
+                   help="recurrent-state slots (the null slot included)")
+    m.add_argument("--fp8-weights", choices=list(FP8_WEIGHTS), default="auto",
+                   help="FP8 checkpoints: keep the FP8 weights and run the block-scaled FP8 matmul, or dequantize "
+                        "them at load (auto: keep on CUDA, dequantize elsewhere)")
+
+
+def memory_kwargs(args) -> dict:
+    """The LLM keyword arguments of add_memory_options' flags."""
+    return dict(gpu_memory_utilization=args.gpu_memory_utilization, memory_budget=args.memory_budget,
+                kv_cache_memory=args.kv_cache_memory, state_cache_memory=args.state_cache_memory,
+                num_blocks=args.num_blocks, num_state_slots=args.num_state_slots,
+                keep_fp8=FP8_WEIGHTS[args.fp8_weights])
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mtpkit", description=__doc__, formatter_class=_Formatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -49,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--num-spec", type=_int_at_least(0), default=3, help="draft tokens per step (0 = no speculation)")
     g.add_argument("--draft-model", default=None,
                    help="checkpoint directory or built-in name of a separate drafter (default: the model's own, "
-                        "e.g. Qwen3-Next's MTP head)")
+                        "e.g. Qwen3-Next's MTP head, or the one its checkpoint names: tiny-gemma4's assistant)")
     g.add_argument("--max-tokens", type=_int_at_least(1), default=128, help="tokens to generate at most")
     g.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop when the text contains STR (not printed); repeat for several")
@@ -64,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (None: CUDA when a GPU is present, else CPU)")
     g.add_argument("--no-stream", action="store_true", help="print the completion at the end")
     g.add_argument("--debug", action="store_true", help="check shapes and print the shape trace")
+    g.add_argument("--max-model-len", type=_int_at_least(2), default=None,
+                   help="longest sequence, prompt and completion (None: the model's, at most 4096)")
+    add_memory_options(g)
     sub.add_parser("models", help="list the built-in models", formatter_class=_Formatter)
     return p
 
@@ -72,14 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = None
     import mtpkit
-    from mtpkit.models.registry import builtin_models
+    from mtpkit.models.registry import builtin_models, describe_builtin
 
     if args.command == "models":
-        print("\n".join(builtin_models()) or "(none)")
+        print("\n".join(describe_builtin(m) for m in builtin_models()) or "(none)")
         return 0
     try:
         llm = mtpkit.LLM(args.model, num_spec=args.num_spec, draft_model=args.draft_model, dtype=args.dtype,
-                         device=args.device)
+                         device=args.device, max_model_len=args.max_model_len, **memory_kwargs(args))
         params = mtpkit.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
         trace = mtpkit.set_debug(True) if args.debug else None

@@ -64,6 +64,7 @@ class EngineConfig:
 
     num_spec: int = 0
     kv_lookahead: int = 0                # KV positions the drafter writes past the target step's last
+    kv_read_back: int = 0                # positions before a sliding window the drafter reads
     max_num_seqs: int = 8
     max_model_len: int = 2048
     block_size: int = 16
@@ -78,6 +79,12 @@ class EngineConfig:
         # A verify step of a request at its last decodable position writes num_spec positions
         # past the sequence, and its drafter kv_lookahead more.
         return self.max_model_len + self.num_spec + self.kv_lookahead
+
+    @property
+    def verify_span(self) -> int:
+        """Positions a verify step writes from num_computed on: the bundle, then the drafter's
+        lookahead."""
+        return self.bundle + self.kv_lookahead
 
     @property
     def max_blocks(self) -> int:

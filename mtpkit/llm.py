@@ -19,7 +19,8 @@ import torch
 from .chat import load_chat_template, special_tokens
 from .config import EngineConfig, resolve_device, resolve_dtype
 from .detokenize import IncrementalDetokenizer
-from .engine.cache import BlockAllocator, SlotAllocator, allocate_cache
+from .engine.cache import SlotAllocator, allocate_cache
+from .engine.kv_pools import KVPools, check_pool_sizes, pool_sizes
 from .engine import memory_plan
 from .engine.cache_spec import CacheSpec
 from .engine.request import Request, RequestOutput, SpecStats, Status
@@ -61,7 +62,8 @@ class LLM:
                  graph_sizes: Sequence[int] | None = None,
                  cudagraph_capture_sizes: Sequence[int] | None = None,
                  attn_backend: str | None = None, tensor_parallel_size: int | None = None,
-                 load_format: str = "safetensors", num_threads: int | None = None):
+                 load_format: str = "safetensors", num_threads: int | None = None,
+                 keep_fp8: bool | None = None, recycle_sliding_kv: bool = True):
         """draft_model: a checkpoint directory (or built-in name) that drafts num_spec tokens
         per step; None uses the model family's own drafter (Qwen3-Next: its MTP head).
         tensor_parallel_size: ranks the model is split over; None means every process of
@@ -77,7 +79,15 @@ class LLM:
         gpu_memory_utilization (CUDA; share of the device's memory) or memory_budget (bytes, any
         device): size the KV and state pools from what is left after the weights and a step's
         activations (engine/memory_plan.py), print the plan (llm.memory_plan), and refuse a model
-        that cannot fit before any weight is read."""
+        that cannot fit before any weight is read.
+        keep_fp8 (FP8 checkpoints): keep the FP8 weights with their block scales and run the
+        block-scaled FP8 matmul (Triton on CUDA, its torch reference elsewhere); False
+        dequantizes them to `dtype` at load. None: kept on CUDA, dequantized elsewhere.
+        recycle_sliding_kv: a sliding-window layer group keeps only the KV blocks its window (and
+        a drafter) can still read and returns the rest as a request advances (engine/kv_pools.py),
+        so its memory is bounded by the window; False keeps every block for the whole context
+        (comparisons and memory measurements).
+        """
         if load_format not in ("safetensors", "dummy"):
             raise ConfigError(f"load_format={load_format!r} must be 'safetensors' or 'dummy'")
         path = resolve_model(model)
@@ -89,6 +99,8 @@ class LLM:
         self._chat_template, self._special_tokens = load_chat_template(path), special_tokens(path)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device, cfg.torch_dtype)
+        if not isinstance(recycle_sliding_kv, bool):
+            raise ConfigError(f"recycle_sliding_kv={recycle_sliding_kv!r} must be True or False")
         for name, v in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
                         ("max_num_batched_tokens", max_num_batched_tokens), ("seed", seed),
                         ("max_model_len", max_model_len), ("num_blocks", num_blocks),
@@ -97,6 +109,8 @@ class LLM:
                         ("memory_budget", memory_budget)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ConfigError(f"{name}={v!r} must be an int")
+        if keep_fp8 is not None and not isinstance(keep_fp8, bool):
+            raise ConfigError(f"keep_fp8={keep_fp8!r} must be True, False or None (None: keep FP8 weights on CUDA)")
         if num_threads is not None and num_threads < 1:
             raise ConfigError(f"num_threads={num_threads} must be >= 1")
         if not isinstance(num_spec, int) or isinstance(num_spec, bool) or not 0 <= num_spec <= 8:
@@ -128,33 +142,48 @@ class LLM:
             raise ConfigError(f"max_model_len={max_model_len} must be in 2..max_position_embeddings="
                               f"{cfg.max_position_embeddings}")
         self.engine_config = ecfg = EngineConfig(
-            num_spec=num_spec, kv_lookahead=draft.kv_lookahead if draft else 0, max_num_seqs=max_num_seqs,
+            num_spec=num_spec, kv_lookahead=draft.kv_lookahead if draft else 0,
+            kv_read_back=draft.kv_read_back if draft else 0, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens)
         bundle = ecfg.bundle
         # Every cache tensor the model and its drafter declare; pool sizes: explicit counts,
-        # else a memory budget over exactly those tensors, else enough for the workload.
+        # else a memory budget over exactly those tensors, else enough for the workload. A
+        # sliding-window pool is sized from its window (kv_pools.pool_sizes); num_blocks and
+        # kv_cache_memory size the full-attention pool (what is left after the sliding ones).
         self.cache_spec = spec = model_cls.cache_spec(cfg, num_spec=num_spec, tp_size=tp.size) + (
             draft.cache_spec(tp.size) if draft else CacheSpec())
+
+        def sizes_with(full_blocks):
+            return pool_sizes(spec, full_blocks=full_blocks, max_num_seqs=max_num_seqs, max_blocks=ecfg.max_blocks,
+                              block_size=block_size, span=ecfg.verify_span,
+                              max_num_batched_tokens=max_num_batched_tokens, read_back=ecfg.kv_read_back,
+                              recycle=recycle_sliding_kv)
+        self._pool_sizes = sizes_with
+        full = next((p for p in spec.pools if p.sliding_window is None), None)
         self.memory_plan = None
         budget = memory_plan.budget_of(self.device, memory_budget, gpu_memory_utilization,
                                        num_blocks=num_blocks, num_state_slots=num_state_slots,
                                        kv_cache_memory=kv_cache_memory, state_cache_memory=state_cache_memory)
         if budget is not None:  # the weights and a first plan before any weight is read
             self._meta = memory_plan.meta_models(self.family, cfg, draft, path=path, load_format=load_format,
-                                                 device=self.device, attn_backend=attn_backend, tp=tp)
+                                                 device=self.device, attn_backend=attn_backend, tp=tp,
+                                                 keep_fp8=keep_fp8)
             self.memory_plan = plan = self._plan_memory(budget, spec, activation_bytes=None)
             num_blocks, num_state_slots = plan.num_blocks, plan.num_slots
             if self.device.type == "cuda":  # a provisional KV pool for the profile run (one request)
                 num_blocks = 1 + ecfg.max_blocks
         if num_blocks is None:
             if kv_cache_memory is not None:
-                num_blocks = max(kv_cache_memory // spec.bytes_per_block(block_size, self.dtype), 0)
+                sliding = sum(n * p.bytes_per_block(block_size, self.dtype)
+                              for p, n in zip(spec.pools, sizes_with(0).values()) if p.sliding_window is not None)
+                per_block = full.bytes_per_block(block_size, self.dtype) if full else 1
+                num_blocks = max((kv_cache_memory - sliding) // per_block, 0)
             else:
                 num_blocks = 1 + max_num_seqs * ecfg.max_blocks
-        if num_blocks < 1 + ecfg.max_blocks:
-            raise ConfigError(f"num_blocks={num_blocks} cannot hold one sequence of max_model_len="
-                              f"{max_model_len} (needs {ecfg.max_blocks} blocks of {block_size} plus the null "
-                              "block); give more KV memory or lower max_model_len")
+        self.kv_pool_sizes = sizes = sizes_with(num_blocks)
+        check_pool_sizes(spec, sizes, max_blocks=ecfg.max_blocks, block_size=block_size, span=ecfg.verify_span,
+                         max_num_batched_tokens=max_num_batched_tokens, read_back=ecfg.kv_read_back,
+                         max_model_len=max_model_len, recycle=recycle_sliding_kv)
         given = num_state_slots is not None  # else from state_cache_memory, or the default
         if not spec.has_state:
             num_state_slots = None   # nothing to hold: requests take no slots
@@ -194,17 +223,18 @@ class LLM:
 
             def load(family, model_cfg, model_path, **kwargs):
                 return build_model(family, model_cfg, model_path, ops=backend, tp=tp, dtype=self.dtype,
-                                   device=self.device, load_format=load_format, seed=seed, **kwargs)
+                                   device=self.device, load_format=load_format, seed=seed, keep_fp8=keep_fp8,
+                                   **kwargs)
             self.model = load(self.family, cfg, path, **target_kwargs)
             drafter = draft.build(self.model, load=load) if draft else None
-            self.cache = allocate_cache(spec, num_blocks=num_blocks, num_slots=num_state_slots or 0,
+            self.cache = allocate_cache(spec, num_blocks=sizes, num_slots=num_state_slots or 0,
                                         block_size=block_size, dtype=self.dtype, device=self.device)
         except Exception as e:
             error = e
         tp.raise_if_any_failed(error, "loading the model")
         self.drafter = drafter
-        self._enforce_eager = enforce_eager
-        self._make_engine(num_blocks, num_state_slots)
+        self._enforce_eager, self._recycle = enforce_eager, recycle_sliding_kv
+        self._make_engine(sizes, num_state_slots)
         self.eos_token_ids = self.generation_defaults.eos_token_ids
         if self.device.type == "cpu":
             params = sum(p.numel() for p in self.model.parameters())
@@ -220,12 +250,14 @@ class LLM:
             del self._meta
             print(self.memory_plan.summary(), file=sys.stderr, flush=True)
 
-    def _make_engine(self, num_blocks: int, num_state_slots: int | None) -> None:
+    def _make_engine(self, pool_sizes: dict[str, int], num_state_slots: int | None) -> None:
         ecfg = self.engine_config
-        self.blocks = BlockAllocator(num_blocks)
+        self.kv_pools = KVPools(self.cache_spec.pools, pool_sizes, block_size=ecfg.block_size,
+                                max_positions=ecfg.max_positions, read_back=ecfg.kv_read_back,
+                                recycle=self._recycle)
         self.slots = SlotAllocator(num_state_slots, ecfg.bundle)
         dispatch = None if self._enforce_eager else self.capture_plan.dispatch
-        self.scheduler = Scheduler(ecfg, self.blocks, self.slots, dispatch)
+        self.scheduler = Scheduler(ecfg, self.kv_pools, self.slots, dispatch)
         self.runner = ModelRunner(self.model, self.drafter, self.cache, ecfg, self.device,
                                   None if self._enforce_eager else self.capture_plan)
 
@@ -240,7 +272,8 @@ class LLM:
             budget=budget[0], weight_bytes=memory_plan.weight_bytes(self._meta, self.dtype),
             activation_bytes=activation_bytes, activation_source=source, spec=spec,
             block_size=ecfg.block_size, dtype=self.dtype, max_blocks=ecfg.max_blocks, bundle=ecfg.bundle,
-            max_num_seqs=ecfg.max_num_seqs, max_model_len=ecfg.max_model_len, source=budget[1])
+            max_num_seqs=ecfg.max_num_seqs, max_model_len=ecfg.max_model_len, source=budget[1],
+            sliding_blocks={k: n for k, n in self._pool_sizes(0).items() if k != "full"})
 
     def _resize_pools(self, budget: tuple[int, str]) -> None:
         """CUDA: a profile run (one prefill of max_num_batched_tokens tokens) measures the
@@ -256,9 +289,10 @@ class LLM:
         self.memory_plan = plan = self._plan_memory(budget, self.cache_spec, activation_bytes=peak)
         del self.cache, self.runner
         torch.cuda.empty_cache()
-        self.cache = allocate_cache(self.cache_spec, num_blocks=plan.num_blocks, num_slots=plan.num_slots or 0,
+        self.kv_pool_sizes = sizes = self._pool_sizes(plan.num_blocks)
+        self.cache = allocate_cache(self.cache_spec, num_blocks=sizes, num_slots=plan.num_slots or 0,
                                     block_size=ecfg.block_size, dtype=self.dtype, device=self.device)
-        self._make_engine(plan.num_blocks, plan.num_slots)
+        self._make_engine(sizes, plan.num_slots)
 
     # ---- inputs ---------------------------------------------------------------------
     def _tokens(self, prompt: Prompt, where: str) -> list[int]:
@@ -504,24 +538,25 @@ class LLM:
         ecfg = self.engine_config
         if len(ids) > ecfg.max_model_len:
             raise InputError(f"score: {len(ids)} tokens exceed max_model_len={ecfg.max_model_len}")
-        slots = self.slots.allocate()
-        blocks = self.blocks.allocate(-(-len(ids) // ecfg.block_size))
-        if slots is None or blocks is None:
-            if slots is not None:
-                self.slots.free(slots)
+        chunk_len = min(ecfg.max_num_batched_tokens, len(ids))
+        slots = self.slots.allocate() if self.kv_pools.can_hold(len(ids), chunk_len) else None
+        if slots is None:
             raise InputError("score: the caches are full with running requests; call it when they finish")
         from .attn.metadata import PrefillChunk
+        tables = self.kv_pools.new_tables()
         try:
             out, start = [], 0
             while start < len(ids):
-                n = min(ecfg.max_num_batched_tokens, len(ids) - start)
-                chunk = PrefillChunk(ids[start:start + n], start, blocks, slots)
+                n = min(chunk_len, len(ids) - start)
+                held = self.kv_pools.ensure(tables, start, start + n)
+                assert held, "the pools held the whole sequence's peak when the call began"
+                chunk = PrefillChunk(ids[start:start + n], start, [t.ids for t in tables], slots)
                 hidden, _, _ = self.runner.prefill_hidden([chunk])
                 out.append(self.model.compute_logits(hidden).float())
                 start += n
             return torch.cat(out)
         finally:
-            self.blocks.free(blocks)
+            self.kv_pools.release(tables)
             self.slots.free(slots)
 
 

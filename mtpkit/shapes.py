@@ -71,13 +71,22 @@ DIMS: dict[str, str] = {
     "in_features": "input features of a linear layer (the reduced dim of x @ W^T)",
     "out_features": "output features of a linear layer",
     "in_groups": "block-scaled FP8: scale groups along in_features, ceil(in_features / block_k)",
-    "out_groups": "block-scaled FP8: scale groups along out_features, ceil(out_features / block_n)",
+    "out_groups": "block-scaled FP8: rows of a weight's scale table: ceil(out_features / block_n) in the "
+                  "block layout; a merged weight whose parts are not whole blocks names each row's (scale_rows)",
+    "matmuls": "block-scaled FP8: independent products of one batched matmul (experts, or token-expert pairs)",
+    "num_rows": "block-scaled FP8: activation rows of one product of a batched matmul (tokens; 1 for a "
+                "token-expert pair)",
     "layers": "decoder layers of the model (Gemma 4's per-layer inputs, one slice per layer)",
     "ple_dim": "Gemma 4 per-layer embedding width (hidden_size_per_layer_input)",
+    "backbone_hidden": "hidden size of the target a drafter reads (the Gemma 4 assistant's backbone_hidden_size)",
+    "centroids": "token clusters of the Gemma 4 assistant's ordered-embedding head (num_centroids)",
+    "candidates": "tokens the Gemma 4 assistant's centroid head scores: top-k clusters x vocab / num_centroids",
     # cache geometry
     "num_blocks": "paged-KV blocks in the pool (block 0 is the null block)",
     "block_size": "tokens per KV block",
     "max_blocks": "block-table width: blocks a request may hold",
+    "kv_pools": "KV block pools (engine.kv_pools: full attention, one per sliding window): one block "
+                "table and slot mapping each",
     "num_slots": "recurrent-state slots in the pool (slot 0 is the null slot)",
     "num_layers": "layers of one cache group in the model",
 }

@@ -34,11 +34,12 @@ CONFIGS["mm"] = dict(CONFIGS["dense"], num_hidden_layers=4, layer_types=[S, F, S
 MULTIMODAL = {"mm"}
 
 
-def build_hf(name: str, seed: int = 0):
-    """A perturbed float64 HF model of config `name` (eval mode, eager experts, sdpa)."""
+def build_hf(name: str, seed: int = 0, config: dict | None = None):
+    """A perturbed float64 HF model of config `name` (eval mode, eager experts, sdpa);
+    `config`: another text config under that name's layout (multimodal or not)."""
     from transformers.models.gemma4 import (Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration,
                                             Gemma4TextConfig)
-    text = Gemma4TextConfig(**CONFIGS[name])
+    text = Gemma4TextConfig(**(CONFIGS[name] if config is None else config))
     torch.manual_seed(seed)
     if name in MULTIMODAL:
         cfg = Gemma4Config(text_config=text.to_dict(),

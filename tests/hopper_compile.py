@@ -135,12 +135,7 @@ def calls(dtype=torch.bfloat16, bundles=(1, 3, 4), prefill=True):
             torch.zeros(T, K, dtype=dtype)))
     if not prefill:
         return out
-    # block-scaled FP8 linear layers: Qwen3-Next-80B's o_proj (4096 -> 2048) at decode and prefill sizes
-    for M in (4, 2048):
-        xq, xs = fp8_matmul.quantize_activation(torch.zeros(M, 4096), 128)
-        wq, ws = torch.zeros(2048, 4096, dtype=torch.float8_e4m3fn), torch.ones(16, 32)
-        out.append(lambda xq=xq, xs=xs, wq=wq, ws=ws: triton_fp8_matmul.fp8_block_matmul(
-            xq, xs, wq, ws, (128, 128), dtype))
+    out += fp8_calls(dtype)
     T, R = 64, 2
     qsl = torch.tensor([0, 32, 64])
     out.append(lambda: triton_gdn.gated_delta_rule_prefill(
@@ -157,6 +152,40 @@ def calls(dtype=torch.bfloat16, bundles=(1, 3, 4), prefill=True):
         out.append(lambda kc=kc, D=D, q_len=q_len, H=H, window=window: triton_paged.paged_attention_prefill(
             torch.zeros(2 * q_len, H, D, dtype=dtype), kc, kc, torch.tensor([0, q_len, 2 * q_len]),
             torch.tensor([q_len, q_len]), torch.zeros(2, 128, dtype=torch.int64), D ** -0.5, window))
+    return out
+
+
+def fp8_calls(dtype):
+    """The block-scaled FP8 matmul as Qwen3-Next-80B-FP8 and Gemma 4 use it: linear layers at
+    decode (BM 16) and prefill (BM 64) sizes in the block layout (o_proj 4096 -> 2048, the merged
+    qkv 2048 -> 9216 and GDN in_proj 2048 -> 12352) and with rows naming their scale rows (the
+    shared expert's gate + up split 8 ways: 2 x 64 rows); the experts' batched products: each
+    token-expert pair's expert gathered (Qwen3-Next's w13 [512, 1024, 2048] and down
+    [512, 2048, 512], top 10 of 4 tokens; Gemma 4 26B-A4B's w13 [128, 1408, 2816], whose gate
+    and up cut a block, so its rows name their scales) and every expert over shared rows
+    (dense path: 32 tokens, fp32 output for the experts' sum)."""
+    fp8, block, out = torch.float8_e4m3fn, (128, 128), []
+
+    def linear(M, N, K, rows=None):
+        xq, xs = fp8_matmul.quantize_activation(torch.zeros(M, K), 128)
+        wq, ws = torch.zeros(N, K, dtype=fp8), torch.ones(-(-N // 128) + (rows is not None), -(-K // 128))
+        return lambda: triton_fp8_matmul.fp8_block_matmul(xq, xs, wq, ws, block, dtype, rows)
+
+    for M in (4, 2048):
+        out += [linear(M, 2048, 4096), linear(M, 9216, 2048), linear(M, 12352, 2048)]
+        out.append(linear(M, 128, 2048, torch.tensor([0] * 64 + [1] * 64, dtype=torch.int32)))
+
+    def batched(B, M, E, N, K, experts=None, rows=None, out_dtype=dtype):
+        xq, xs = fp8_matmul.quantize_activation(torch.zeros(M, K), 128)
+        xq, xs = xq[None].expand(B, M, K), xs[None].expand(B, M, xs.shape[1])
+        wq = torch.zeros(E, N, K, dtype=fp8)
+        ws = torch.ones(E, -(-N // 128) + (rows is not None), -(-K // 128))
+        return lambda: triton_fp8_matmul.fp8_batched_matmul(xq, xs, wq, ws, block, out_dtype, experts, rows)
+
+    pairs = torch.arange(40) % 512
+    out += [batched(40, 1, 512, 1024, 2048, pairs), batched(40, 1, 512, 2048, 512, pairs, out_dtype=torch.float32),
+            batched(32, 1, 128, 1408, 2816, pairs % 128, (torch.arange(1408) // 128).to(torch.int32)),
+            batched(8, 32, 8, 1024, 2048), batched(8, 32, 8, 2048, 512, out_dtype=torch.float32)]
     return out
 
 

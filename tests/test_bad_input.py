@@ -114,7 +114,7 @@ def executes(llm, monkeypatch):
 def _idle(llm) -> tuple[int, int]:
     """Free blocks/slots; also asserts nothing is queued."""
     assert not llm.scheduler.has_unfinished()
-    return llm.blocks.num_free, llm.slots.num_free
+    return llm.kv_pools.num_free, llm.slots.num_free
 
 
 def _check_words(msg: str, words: list[str]) -> None:

@@ -221,6 +221,68 @@ def test_sampling_params_reject_a_seed_torch_cannot_take():
     assert len(llm.generate("x", SamplingParams(max_tokens=2, temperature=0.5, seed=2**64 - 1))[0].token_ids) == 2
 
 
+@pytest.mark.parametrize("flag,value,words", [
+    ("--gpu-memory-utilization", "1.5", "not a number in (0, 1]"),
+    ("--gpu-memory-utilization", "0", "not a number in (0, 1]"),
+    ("--gpu-memory-utilization", "most", "not a number in (0, 1]"),
+    ("--memory-budget", "-5", "not a positive byte count"),
+    ("--memory-budget", "12XB", "not a positive byte count"),
+    ("--kv-cache-memory", "0", "not a positive byte count"),
+    ("--num-blocks", "1", "not an int >= 2"),
+    ("--fp8-weights", "yes", "invalid choice"),
+])
+def test_cli_rejects_bad_memory_options_before_loading(flag, value, words, capsys, no_weights):
+    from mtpkit import cli
+
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["generate", "x", flag, value])
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and flag in err and words in err and "Traceback" not in err, err
+
+
+def test_cli_byte_counts():
+    from mtpkit.cli import byte_count
+
+    assert byte_count("4096") == 4096 and byte_count("64MiB") == 64 << 20 and byte_count("1.5GB") == 1_500_000_000
+    assert byte_count("8gib") == 8 << 30
+
+
+def test_cli_memory_options_reach_the_engine(capsys, monkeypatch):
+    """A budget sizes the pools (the plan on stderr); the engine's own refusals (a budget and an
+    explicit size together, a GPU share on CPU) are the CLI's error before any weight loads."""
+    from mtpkit import cli
+
+    argv = ["generate", "def f(x):", "--num-spec", "2", "--max-tokens", "3", "--max-model-len", "256"]
+    assert cli.main(argv + ["--memory-budget", "96MiB"]) == 0
+    err = capsys.readouterr().err
+    assert "mtpkit memory plan: budget 96.0 MiB" in err and "max_model_len=256" in err, err
+    monkeypatch.setattr(loader_mod, "load_checkpoint", lambda *a, **k: pytest.fail("weights loaded"))
+    assert cli.main(argv + ["--memory-budget", "96MiB", "--num-blocks", "100"]) == 2
+    assert "num_blocks=100 and a memory budget both size the caches" in capsys.readouterr().err
+    assert cli.main(argv + ["--gpu-memory-utilization", "0.8"]) == 2
+    assert "gpu_memory_utilization needs a CUDA device" in capsys.readouterr().err
+
+
+def test_cli_fp8_weights_choose_kept_or_dequantized(tmp_path, monkeypatch, capsys):
+    from mtpkit import cli
+    from test_fp8 import make_fp8
+
+    make_fp8(TINY, tmp_path / "fp8", tmp_path / "twin", (128, 128))
+    built = []
+
+    class Recording(LLM):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            built.append(sum(p.numel() for p in self.model.parameters() if p.dtype == torch.float8_e4m3fn))
+
+    monkeypatch.setattr(mtpkit, "LLM", Recording)
+    argv = ["generate", "x", "--model", str(tmp_path / "fp8"), "--num-spec", "1", "--max-tokens", "2",
+            "--max-model-len", "64"]
+    for choice in ("keep", "dequantize", "auto"):   # auto on CPU: dequantized
+        assert cli.main(argv + ["--fp8-weights", choice]) == 0, capsys.readouterr().err
+    assert built[0] > 0 and built[1] == built[2] == 0
+
+
 @pytest.mark.parametrize("no_stream", [False, True])
 def test_ctrl_c_prints_a_note_and_the_text_and_exits_130(monkeypatch, capsys, no_stream):
     from mtpkit import cli
@@ -316,6 +378,25 @@ def test_serve_batch_keep_going_writes_error_records(capsys, tmp_path):
     assert f"{f}:2:" in rows[1]["error"] and f"{f}:3:" in rows[2]["error"]
     assert "error" not in rows[0] and "error" not in rows[3] and rows[0]["text"]
     assert "2/4 requests" in capsys.readouterr().out
+
+
+def test_serve_batch_memory_options(capsys, tmp_path):
+    """serve_batch takes the CLI's memory options: checked by argparse, then passed to LLM (a
+    budget's plan on stderr)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve_batch", ROOT / "examples" / "serve_batch.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit):
+        mod.main(["--gpu-memory-utilization", "2"])
+    assert "not a number in (0, 1]" in capsys.readouterr().err
+    out = tmp_path / "out.jsonl"
+    rc = mod.main(["--output", str(out), "--num-spec", "2", "--max-tokens", "3", "--max-model-len", "256",
+                   "--memory-budget", "96MiB", "--ignore-eos", "--cpu"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "mtpkit memory plan: budget 96.0 MiB" in err, err
+    assert all(len(json.loads(ln)["token_ids"]) == 3 for ln in out.read_text().splitlines())
 
 
 def test_the_shipped_example_prompts_are_valid(serve_batch):

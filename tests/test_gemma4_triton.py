@@ -2,7 +2,9 @@
 greedy tokens as the torch backend. The kernels see sliding windows (4 keys) shorter than
 the prompts, two head dims (16 sliding, 32 full), attention scale 1, a KV-shared layer
 reading another layer's cache, chunked prefill and padded verify rows (3 prompts in
-graph sizes 1, 2, 4)."""
+graph sizes 1, 2, 4), and blocks of 4 tokens, so the sliding pool returns blocks below the
+window as the requests advance (the kernels must start at the window: freed table entries
+are the null block)."""
 
 import os
 
@@ -43,12 +45,16 @@ def _generate(path, backend):
     """Greedy tokens and every logits row the run computed (prefill and verify steps)."""
     import mtpkit
     llm = mtpkit.LLM(path, dtype="float32", device="cpu", attn_backend=backend, max_num_seqs=4, max_model_len=64,
-                     max_num_batched_tokens=8, graph_sizes=[1, 2, 4])
+                     max_num_batched_tokens=8, graph_sizes=[1, 2, 4], block_size=4)
     assert llm.model.layers[0].self_attn.ops.name == backend
     captured, orig = [], llm.model.compute_logits
     llm.model.compute_logits = lambda h: captured.append(orig(h)) or captured[-1]
     prompts = [O.random_prompt(n, 128, seed=n) for n in PROMPT_LENS]
+    sliding, freed = llm.kv_pools["sliding_4"], []
+    orig_free = sliding.free
+    sliding.free = lambda blocks: freed.extend(blocks) or orig_free(blocks)
     outs = llm.generate(prompts, mtpkit.SamplingParams(max_tokens=10, ignore_eos=True))
+    assert len(freed) > sliding.num_blocks, "blocks were meant to be recycled while the requests ran"
     return [o.token_ids for o in outs], captured
 
 

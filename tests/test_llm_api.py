@@ -47,7 +47,7 @@ def test_score_shape_dtype_and_chunking(ck):
     assert logits.shape == (22, 256) and logits.dtype == torch.float32
     torch.testing.assert_close(logits, LLM(ck, dtype="float64").score(ids), rtol=0, atol=1e-6)
     # score leaves no blocks or slots behind
-    assert llm.blocks.num_free == llm.blocks.num_blocks - 1
+    assert llm.kv_pools.num_free == llm.kv_pools.capacity
 
 
 def test_stats_aggregate_over_requests(ck):
@@ -69,7 +69,7 @@ def test_slots_and_blocks_reused_without_leaking_state(ck):
         outs = [o.token_ids for o in llm.generate(prompts, sp)]
         fresh = [LLM(ck, dtype="float64", num_spec=k).generate([p], sp)[0].token_ids for p in prompts]
         assert outs == fresh
-        assert llm.blocks.num_free == llm.blocks.num_blocks - 1 and llm.slots.num_free == llm.slots.capacity
+        assert llm.kv_pools.num_free == llm.kv_pools.capacity and llm.slots.num_free == llm.slots.capacity
 
 
 def test_preemption_recomputes_without_changing_output(ck):
@@ -98,7 +98,7 @@ def test_pools_sized_from_memory_budgets(ck):
     assert len(kv) == 2 * (len(cfg.full_layers) + cfg.num_nextn_predict_layers)
     assert len(state) == 2 * len(cfg.linear_layers)
     kv_bytes, state_bytes = sum(t.nbytes for t in kv), sum(t.nbytes for t in state)
-    per_block, per_slot = kv_bytes // llm.cache.num_blocks, state_bytes // llm.cache.num_slots
+    per_block, per_slot = kv_bytes // llm.kv_pool_sizes["full"], state_bytes // llm.cache.num_slots
     assert kv_budget - per_block < kv_bytes <= kv_budget
     assert state_budget - per_slot < state_bytes <= state_budget
 

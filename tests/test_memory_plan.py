@@ -41,7 +41,7 @@ def test_budget_sizes_the_pools(ckpt, capsys):
     assert 0 <= left < plan.bytes_per_block
     ecfg = llm.engine_config
     assert plan.num_slots == 1 + ecfg.max_num_seqs * ecfg.bundle
-    assert llm.blocks.num_free == plan.num_blocks - 1
+    assert llm.kv_pools.num_free == {"full": plan.num_blocks - 1}
     assert plan.max_concurrent == min(ecfg.max_num_seqs, (plan.num_blocks - 1) // ecfg.max_blocks) >= 1
     err = capsys.readouterr().err
     assert f"{plan.num_blocks} KV blocks" in err and f"{plan.num_slots} state slots" in err
@@ -105,13 +105,15 @@ def test_budget_options_are_checked(ckpt):
         _llm(ckpt, memory_budget=64 * MiB, gpu_memory_utilization=0.5)
 
 
-def test_fp8_layers_counted_at_stored_bytes(ckpt, tmp_path):
-    """On CUDA the plain linear layers keep FP8 weights (1 byte each) and fp32 scales: the
-    plan's weight bytes (meta model, from config.json and the headers) equal those of the
-    model loaded that way (forced here on CPU) and are below the dequantized model's."""
+@pytest.mark.parametrize("block", [(16, 32), (128, 128)])
+def test_fp8_layers_counted_at_stored_bytes(ckpt, tmp_path, block):
+    """On CUDA every FP8 weight is kept (1 byte each) with its fp32 scales (and, where parts
+    cut blocks ([128, 128] on the tiny model), an int32 scale row per weight row): the plan's
+    weight bytes (meta model, from config.json and the headers) equal those of the model
+    loaded that way (forced here on CPU) and are below the dequantized model's."""
     from test_fp8 import make_fp8
 
-    make_fp8(ckpt, tmp_path / "fp8", tmp_path / "twin", (16, 32))
+    make_fp8(ckpt, tmp_path / "fp8", tmp_path / "twin", block)
     path = tmp_path / "fp8"
     family, cfg = _family(path)
     meta = memory_plan.meta_model(family, cfg, path=path, load_format="safetensors", device=torch.device("cpu"),
@@ -125,6 +127,27 @@ def test_fp8_layers_counted_at_stored_bytes(ckpt, tmp_path):
     loader.load_checkpoint(model, path, torch.bfloat16, torch.device("cpu"), keep_fp8=True)
     assert planned == _bytes(list(model.parameters()) + list(model.buffers()))
     assert planned < dequantized
+    rows = [b for n, b in model.named_buffers() if n.endswith("scale_rows")]
+    assert bool(rows) == (block == (128, 128))
+    est = dict(tokens=64, logits_rows=8, vocab=cfg.vocab_size, dtype=torch.bfloat16)
+    assert memory_plan.activation_estimate(kept_meta, **est) == memory_plan.activation_estimate(meta, **est)
+
+
+def test_fp8_experts_estimate_the_activations_of_the_plain_layout():
+    """A MoE kept in FP8 holds its experts' down projections as a stack [experts, hidden, I]:
+    not a per-token width, so the estimate is the plain layout's (every local expert's gate
+    and up rows per token), here where hidden (64) > 2I (32) would tell them apart."""
+    from mtpkit.models.moe import SparseMoE
+
+    est = dict(tokens=64, logits_rows=8, vocab=1000, dtype=torch.bfloat16)
+    with torch.device("meta"):
+        plain = SparseMoE(64, 4, 2, 16, 16, True, _tp())
+        kept = SparseMoE(64, 4, 2, 16, 16, True, _tp())
+    names = [f"m.experts.{e}.{p}_proj.weight" for e in range(4) for p in ("gate", "up", "down")]
+    names += [f"m.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
+    assert kept.use_fp8((16, 32), "m", {n: n + "_scale_inv" for n in names}) and kept.fp8 is not None
+    assert memory_plan.activation_estimate(kept, **est) == memory_plan.activation_estimate(plain, **est) \
+        == 4 * 64 * (4 * 32) * 2 + 2 * 8 * 1000 * 4
 
 
 def _ops():
@@ -156,7 +179,7 @@ def test_profile_run_resizes_the_kv_pool(ckpt, monkeypatch):
     assert plan.activation_source == "measured" and plan.activation_bytes == peak
     assert plan.num_blocks == estimated.num_blocks - 50 and plan.num_slots == estimated.num_slots
     assert _bytes(list(_flatten(llm.cache))) == plan.cache_bytes
-    assert llm.blocks.num_free == plan.num_blocks - 1 and llm.runner.cache is llm.cache
+    assert llm.kv_pools.num_free == {"full": plan.num_blocks - 1} and llm.runner.cache is llm.cache
     out = llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=8))
     assert all(len(o.token_ids) == 8 for o in out)
 

@@ -64,15 +64,17 @@ class ToyAttention(nn.Module):
         qkv = self.qkv_proj(x).view(-1, h + 2 * kvh, d)
         qk, v = self.rope(positions, qkv[:, :h + kvh]), qkv[:, h + kvh:]
         k_cache, v_cache = cache.kv["attention"][self.index]
-        self.ops.write_kv(qk[:, h:], v, k_cache, v_cache, meta.slot_mapping)
+        pool = cache.pool_index["attention"]
+        self.ops.write_kv(qk[:, h:], v, k_cache, v_cache, meta.slot_mappings[pool])
         q = qk[:, :h]
         if isinstance(meta, PrefillMetadata):
             o = self.ops.paged_attention_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                                 meta.block_table, d ** -0.5)
+                                                 meta.block_tables[pool], d ** -0.5)
         else:
             o = self.ops.paged_attention_verify(q.reshape(meta.num_reqs_padded, meta.q_len, h, d), k_cache, v_cache,
-                                                meta.seq_lens, meta.block_table, d ** -0.5,
-                                                max_seq_len=meta.max_seq_len, kv_slots=meta.kv_slots)
+                                                meta.seq_lens, meta.block_tables[pool], d ** -0.5,
+                                                max_seq_len=meta.max_seq_len,
+                                                kv_slots=None if meta.kv_slots is None else meta.kv_slots[pool])
         return self.o_proj(o.reshape(-1, h * d))
 
     def reference(self, x):
@@ -216,7 +218,7 @@ def test_draft_model_kv_is_budgeted_and_reserved(toy):
     llm = LLM(toy["target"], num_spec=3, draft_model=toy["other"], kv_cache_memory=1 << 20, **F64)
     kv = [t for layers in llm.cache.kv.values() for pair in layers for t in pair]
     assert len(kv) == 2 * (TOY["num_hidden_layers"] + 1)
-    assert (1 << 20) - sum(t.nbytes for t in kv) // llm.cache.num_blocks < sum(t.nbytes for t in kv) <= 1 << 20
+    assert (1 << 20) - sum(t.nbytes for t in kv) // llm.kv_pool_sizes["full"] < sum(t.nbytes for t in kv) <= 1 << 20
     assert llm.engine_config.kv_lookahead == 3
     assert llm.engine_config.max_positions == llm.engine_config.max_model_len + 3 + 3
 

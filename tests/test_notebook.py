@@ -48,7 +48,7 @@ class _Spans(html.parser.HTMLParser):
 
 
 def _pools(llm):
-    return llm.blocks.num_free, llm.slots.num_free
+    return llm.kv_pools.num_free, llm.slots.num_free
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +268,7 @@ def test_stop_click_reaches_a_running_cell():
     try:
         kc.execute_interactive("from mtpkit import LLM, SamplingParams\nfrom mtpkit.notebook import watch\n"
                                "llm = LLM('tiny-qwen3-next', num_spec=3)\n"
-                               "free = (llm.blocks.num_free, llm.slots.num_free)", timeout=120)
+                               "free = (llm.kv_pools.num_free, llm.slots.num_free)", timeout=120)
         run = kc.execute(f"outs = watch(llm, {PROMPTS!r}, SamplingParams(max_tokens=1900, ignore_eos=True))")
         button, redraws = None, 0
         while redraws < 3:   # the view is up and the text has been redrawn a few times
@@ -288,7 +288,7 @@ def test_stop_click_reaches_a_running_cell():
         assert reply["content"]["status"] == "ok"
         printed = []
         kc.execute_interactive("import json\nprint(json.dumps([[o.finish_reason, len(o.token_ids)] for o in outs]), "
-                               "(llm.blocks.num_free, llm.slots.num_free) == free)",
+                               "(llm.kv_pools.num_free, llm.slots.num_free) == free)",
                                output_hook=lambda m: printed.append(m["content"].get("text", "")), timeout=60)
         finished, pools_free = "".join(printed).rsplit(" ", 1)
         finished = json.loads(finished)

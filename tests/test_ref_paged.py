@@ -168,3 +168,17 @@ def test_debug_mode_checks_shapes():
                                    scale=0.5)
         with pytest.raises(shapes.ShapeError):  # v with a different kv_heads than k
             write_kv(torch.randn(2, 2, D), torch.randn(2, 1, D), kc, vc, torch.tensor([4, 5]))
+
+
+def test_context_slots_clamp_to_the_positions_read():
+    """Positions past last_pos read last_pos's slot; with first_pos (a sliding read) those
+    before it read first_pos's, so blocks below a window are never touched."""
+    from mtpkit.attn.paged import context_slots
+    table = torch.tensor([[5, 7, 2, 9], [3, 0, 0, 0]])
+    last, first = torch.tensor([9, 2]), torch.tensor([6, 0])
+    plain = context_slots(table, last, 4, 12)
+    assert plain[0].tolist() == [20, 21, 22, 23, 28, 29, 30, 31, 8, 9, 9, 9]
+    assert plain[1].tolist() == [12, 13, 14] + [14] * 9
+    clamped = context_slots(table, last, 4, 12, first_pos=first)
+    assert clamped[0].tolist() == [30] * 7 + [31, 8, 9, 9, 9]
+    assert torch.equal(clamped[1], plain[1])

@@ -44,12 +44,12 @@ def _reference(traced: bool) -> list[list[int]]:
 
 
 def _free(llm: LLM) -> tuple[int, int]:
-    return llm.blocks.num_free, llm.slots.num_free
+    return llm.kv_pools.num_free, llm.slots.num_free
 
 
 def _fresh_free(llm: LLM) -> tuple[int, int]:
     """What a fresh engine of this size has free: every block but the null one, every slot group."""
-    return llm.blocks.num_blocks - 1, llm.slots.capacity
+    return llm.kv_pools.capacity, llm.slots.capacity
 
 
 def _assert_idle(llm: LLM) -> None:
@@ -208,17 +208,17 @@ def test_abort_api():
     llm.step()
     running, waiting = reqs[:2], reqs[2:]
     assert all(r.status == Status.RUNNING for r in running) and all(r.status == Status.WAITING for r in waiting)
-    assert running[0].block_ids and running[0].state_slots
+    assert running[0].block_tables[0].held() and running[0].state_slots
     before = _free(llm)
-    n_blocks = len(running[0].block_ids)
+    n_blocks = len(running[0].block_tables[0].held())
     # one running, one waiting, one unknown id: the unknown one is ignored
     aborted = llm.abort([running[0].req_id, waiting[1].req_id, 10**6])
     assert aborted == sorted([running[0].req_id, waiting[1].req_id])
     for r in (running[0], waiting[1]):
         assert r.status == Status.FINISHED and r.finish_reason == "abort"
-        assert r.block_ids == [] and r.state_slots is None
+        assert r.block_tables == [] and r.state_slots is None
         assert r not in llm.scheduler.running and r not in llm.scheduler.waiting
-    assert _free(llm) == (before[0] + n_blocks, before[1] + 1)   # freed at once
+    assert _free(llm) == ({"full": before[0]["full"] + n_blocks}, before[1] + 1)   # freed at once
     assert llm.abort(running[0].req_id) == []                    # already finished: ignored
     with pytest.raises(InputError, match="request_ids"):
         llm.abort(reqs[1])                                       # a Request, not its id

@@ -9,6 +9,10 @@ from hypothesis import strategies as st
 
 import oracle
 import spec_models
+from spec_metrics import chi2_pvalue as _chi2_pvalue
+from spec_metrics import exact_second_token_p as _exact_second_token_p
+from spec_metrics import expected_steps as _expected_steps
+from spec_metrics import second_token_distribution as _second_token_distribution
 from mtpkit import LLM, SamplingParams
 
 F64 = dict(dtype="float64", device="cpu")
@@ -110,17 +114,6 @@ def test_state_after_verify_equals_nonspec_state(ckdir, k):
 
 
 # ---- all-accept / all-reject and metrics ---------------------------------------------------
-
-def _expected_steps(max_tokens: int, k: int, accept_all: bool):
-    """Verify steps and accepted drafts for one request (the prefill emits the first token)."""
-    left, steps, accepted, drafted = max_tokens - 1, 0, 0, 0
-    while left > 0:
-        limit = min(k, left - 1)
-        emit = limit + 1 if accept_all else 1
-        steps, drafted, accepted = steps + 1, drafted + limit, accepted + (limit if accept_all else 0)
-        left -= emit
-    return steps, drafted, accepted
-
 
 @pytest.mark.parametrize("k", [1, 3, 4])
 def test_all_accept(ckdir, k):
@@ -224,40 +217,6 @@ def test_new_requests_prefill_while_others_verify(ckdir):
 
 
 # ---- sampling ---------------------------------------------------------------------------------
-
-def _chi2_pvalue(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
-    n = counts.sum()
-    keep = expected_p * n >= 5            # pool rare cells so the chi-square approximation holds
-    obs = torch.cat([counts[keep], counts[~keep].sum()[None]]).double()
-    exp = torch.cat([expected_p[keep], expected_p[~keep].sum()[None]]).double() * n
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    dof = len(obs) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
-
-
-def _second_token_distribution(path, prompt, params, k, n):
-    llm = LLM(path, num_spec=k, max_num_seqs=64, **F64)
-    # max_tokens=3: the verify step may accept d1, so token 2 goes through the accept test.
-    sps = [SamplingParams(max_tokens=3, ignore_eos=True, temperature=params["temperature"],
-                          top_k=params.get("top_k", 0), top_p=params.get("top_p", 1.0), seed=i)
-           for i in range(n)]
-    outs = llm.generate([prompt] * n, sps)
-    V = llm.model_config.vocab_size
-    return torch.bincount(torch.tensor([o.token_ids[1] for o in outs]), minlength=V), llm
-
-
-def _exact_second_token_p(path, prompt, params):
-    from mtpkit.sampling import SamplingTensors, target_probs
-    llm = LLM(path, **F64)
-    sp = SamplingParams(max_tokens=2, temperature=params["temperature"], top_k=params.get("top_k", 0),
-                        top_p=params.get("top_p", 1.0))
-    st_ = SamplingTensors.from_params([sp], "cpu")
-    def p_next(ids):
-        return target_probs(llm.score(ids)[-1][None, None], st_)[0, 0].double()
-    p1 = p_next(prompt)
-    return sum(p1[t] * p_next(prompt + [t]) for t in range(len(p1)) if p1[t] > 0)
-
 
 @pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=6, top_p=0.9)])
 def test_sampling_distribution_matches_target(ckdir, params, monkeypatch):

@@ -79,7 +79,7 @@ def _choose_stop(llm, events, want):
 
 def _assert_idle(llm):
     assert not llm.scheduler.running and not llm.scheduler.waiting
-    assert (llm.blocks.num_free, llm.slots.num_free) == (llm.blocks.num_blocks - 1, llm.slots.capacity)
+    assert (llm.kv_pools.num_free, llm.slots.num_free) == (llm.kv_pools.capacity, llm.slots.capacity)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[:2])
@@ -106,10 +106,11 @@ def test_stop_strings_in_a_batch_free_the_stopped_request(engines):
     while reqs[0].status != Status.FINISHED:
         llm.step()
     # the stopped request's KV blocks and state slots are back while the others keep running
-    assert reqs[0].finish_reason == "stop" and not reqs[0].block_ids and reqs[0].state_slots is None
+    assert reqs[0].finish_reason == "stop" and not reqs[0].block_tables and reqs[0].state_slots is None
     running = llm.scheduler.running
     assert running and reqs[0] not in running
-    assert llm.blocks.num_free == llm.blocks.num_blocks - 1 - sum(len(r.block_ids) for r in running)
+    held = sum(len(r.block_tables[0].held()) for r in running)
+    assert llm.kv_pools.num_free["full"] == llm.kv_pools.capacity["full"] - held
     while llm.scheduler.has_unfinished():
         llm.step()
     assert reqs[0].output_token_ids == refs[0][:k + 1]

@@ -4,7 +4,9 @@ test_triton_kernels.py checks the kernels' numbers under the Triton interpreter,
 them as numpy: it accepts programs a GPU compile refuses and cannot tell whether a tile fits
 in shared memory. Here every launch the entry points make at real layer shapes (Qwen3-Next's
 GDN, conv and head_dim-256 attention, its fused MoE experts, head_dim 512, a sliding window with softcap, bundles 1,
-3 and 4, bf16 and fp32; the block-scaled FP8 matmul at decode and prefill sizes) is compiled for sm_90 through Triton's own ptxas
+3 and 4, bf16 and fp32; the block-scaled FP8 matmul at decode and prefill sizes, in the block layout and with rows
+naming their scale rows, and batched over expert stacks, gathered per token-expert pair or shared) is compiled for sm_90
+through Triton's own ptxas
 (tests/hopper_compile.py, in a process without TRITON_INTERPRET). Compiling says nothing about
 the numbers: on an H200 the same kernels (all but the FP8 matmul, added later) passed test_triton_kernels.py natively
 (benchmarks/gpu_kernels.py, results in benchmarks/results/).

@@ -412,3 +412,50 @@ def test_fp8_block_matmul(fp8_kernel, m, n, k, block, dtype):
     y = fp8_kernel.fp8_linear(x.view(1, m, k), wq, ws, block)
     torch.testing.assert_close(y.float(), ref.fp8_linear_reference(x.view(1, m, k), wq, ws, block).float(),
                                **out_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,block", [(1, 192, 256, (128, 128)),    # decode row, a partial row block
+                                         (20, 96, 80, (32, 16))])       # BM 64 tail; several small blocks
+def test_fp8_block_matmul_named_scale_rows(fp8_kernel, m, n, k, block, dtype):
+    """A merged weight whose parts cut blocks: every row names its scale row (any order)."""
+    from mtpkit.attn import fp8_matmul as ref
+
+    g = gen(12)
+    wq, ws = ref.quantize(randn(g, n, k) * 0.1, block)
+    ws = torch.cat([ws, ws * 2, ws * 3])                       # a table of 3x the block rows
+    rows = torch.randint(0, ws.shape[0], (n,), generator=g, device=DEVICE).to(torch.int32)
+    xq, xs = ref.quantize_activation(randn(g, m, k).to(dtype), block[1])
+    got = fp8_kernel.fp8_block_matmul(xq, xs, wq, ws, block, dtype, rows)
+    want = ref.fp8_block_matmul(xq, xs, wq, ws, block, dtype, rows)
+    torch.testing.assert_close(got.float(), want.float(), **out_tol(dtype))
+    # not the block layout's scales: a kernel ignoring the index is off by whole factors
+    assert (ref.fp8_block_matmul(xq, xs, wq, ws, block, dtype) - want).abs().max() > 0.1 * want.abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gather", [True, False])
+def test_fp8_batched_matmul(fp8_kernel, gather, dtype):
+    """The MoE's products: each token-expert pair's expert gathered by index (one row each),
+    or every expert of a stack over the same rows (x broadcast, stride 0); experts whose
+    [2I, H] rows name their scale rows (gate and up cutting a block) in the gathered case."""
+    from mtpkit.attn import fp8_matmul as ref
+
+    g = gen(13)
+    E, N, K, block = 5, 160, 256, (128, 128)
+    wq, ws = ref.quantize(randn(g, E, N, K) * 0.1, block)
+    ws = ws * (1 + torch.arange(ws.numel(), device=DEVICE).view(ws.shape) % 3)
+    if gather:
+        experts = torch.tensor([3, 0, 3, 4, 1, 1, 2], device=DEVICE)
+        rows = (torch.arange(N, device=DEVICE) // 80).to(torch.int32)   # two parts of 80 rows
+        x = randn(g, len(experts), 1, K).to(dtype)
+    else:
+        experts, rows = None, None
+        x = randn(g, 1, 9, K).to(dtype).expand(E, 9, K)
+    xq, xs = ref.quantize_activation(x.reshape(-1, K), block[1])
+    xq, xs = xq.view(*x.shape), xs.view(*x.shape[:2], -1)
+    for out_dtype in (dtype, torch.float32):
+        got = fp8_kernel.fp8_batched_matmul(xq, xs, wq, ws, block, out_dtype, experts, rows)
+        want = ref.fp8_batched_matmul(xq, xs, wq, ws, block, out_dtype, experts, rows)
+        assert got.dtype == out_dtype and got.shape == (x.shape[0], x.shape[1], N)
+        torch.testing.assert_close(got.float(), want.float(), **out_tol(dtype))

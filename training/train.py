@@ -185,7 +185,7 @@ def fresh_cache(model: Qwen3NextForCausalLM, B: int, T: int) -> CacheTensors:
 
 def prefill_step(B: int, T: int, inputs: Int[Tensor, "num_reqs seq_len"]):
     """token_ids, positions, metadata of a prefill of B fresh requests (block i+1, slot i+1)."""
-    chunks = [PrefillChunk(inputs[i].tolist(), 0, [i + 1], [i + 1]) for i in range(B)]
+    chunks = [PrefillChunk(inputs[i].tolist(), 0, [[i + 1]], [i + 1]) for i in range(B)]
     return build_prefill(chunks, block_size=T, max_blocks=1, device=torch.device("cpu"))
 
 
@@ -261,7 +261,7 @@ def forward_losses(model: Qwen3NextForCausalLM, batch: Int[Tensor, "num_reqs seq
         prev = h.view(B, T, -1)
         h_in = torch.cat([prev[:, :1], prev[:, :-1]], dim=1).reshape(B * T, -1)
         kv = {**cache.kv, "mtp": [tuple(torch.zeros_like(t) for t in cache.kv["mtp"][0])]}
-        cache_j = CacheTensors(kv=kv, state=cache.state, block_size=cache.block_size)
+        cache_j = dataclasses.replace(cache, kv=kv)
         if mtp_keys == "inference":
             h = _mtp_pass_inference_keys(model, targets1, positions, h_in, meta, cache_j, j, pass_kv, B, T)
             pass_kv.append(tuple(t[1:B + 1] for t in cache_j.kv["mtp"][0]))
@@ -295,7 +295,7 @@ def _mtp_pass_inference_keys(model: Qwen3NextForCausalLM, tokens: Int[Tensor, "n
     x = mtp._input(model.embed(tokens), h_in)
     layer = mtp.layers[j % len(mtp.layers)]
     attn = layer.self_attn
-    q, gate = attn._project(layer.input_layernorm(x), positions, meta.slot_mapping, cache_j)   # q [B*T, heads, D]
+    q, gate = attn._project(layer.input_layernorm(x), positions, meta.slot_mappings, cache_j)   # q [B*T, heads, D]
     k_all = torch.cat([kv[0] for kv in pass_kv] + [cache_j.kv["mtp"][0][0][1:B + 1]], dim=1)   # [B, (j+1) T, kvh, D]
     v_all = torch.cat([kv[1] for kv in pass_kv] + [cache_j.kv["mtp"][0][1][1:B + 1]], dim=1)
     qh = q.view(B, T, attn.heads, attn.hd).transpose(1, 2)

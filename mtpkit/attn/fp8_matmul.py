@@ -8,15 +8,21 @@ of block_k (dynamic activation scheme), and y = x W^T sums, per K group, the FP8
 the group times the two scales: what serving engines run on Hopper, whose tensor cores take
 FP8 inputs with fp32 accumulation.
 
-Typing: `fp8_block_matmul` (2-D operands, as the kernel takes them) is the typed boundary; the
-helpers around it (quantize / dequantize / expand_scales, fp8_linear_reference) take any
-leading dims (expert stacks, tokens x heads), like the linear family in models/layers.py, so
-their tensors are plain Tensor.
+Row scales: in the block layout row n of W uses scale row n // block_n. A weight merged from
+checkpoint tensors whose parts are not whole blocks (models/fp8_layout.py) instead names each
+row's scale row: `scale_rows` [N], an index into its scale table (each row keeps the scale of
+the block it was stored in).
+
+Typing: `fp8_block_matmul` (2-D) and `fp8_batched_matmul` (a batch of products, each with its
+own weight of a stack: experts) are the typed boundaries, as the kernel takes them; the helpers
+around them (quantize / dequantize / row_scales, fp8_linear_reference) take any leading dims
+(expert stacks, tokens x heads), like the linear family in models/layers.py, so their tensors
+are plain Tensor.
 """
 
 import torch
 
-from ..shapes import Float, Shaped, Tensor, checked
+from ..shapes import Float, Int, Shaped, Tensor, checked
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -24,16 +30,23 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 _MIN_AMAX = 1e-10
 
 
-def expand_scales(scale: Tensor, rows: int, cols: int,
-                  block: tuple[int, int]) -> Tensor:
+def row_scales(scale: Tensor, rows: int, block_n: int, scale_rows: Tensor | None = None) -> Tensor:
+    """Each weight row's scales [..., rows, groups]: row n's scale row n // block_n, or
+    scale_rows[n] when the weight names them (leading batch dims kept)."""
+    if scale_rows is not None:
+        return scale.index_select(-2, scale_rows)
+    return scale.repeat_interleave(block_n, dim=-2)[..., :rows, :]
+
+
+def expand_scales(scale: Tensor, rows: int, cols: int, block: tuple[int, int],
+                  scale_rows: Tensor | None = None) -> Tensor:
     """A per-block scale tensor broadcast to every element of a [rows, cols] matrix (leading
     batch dims kept, e.g. the experts of a fused MoE weight)."""
-    s = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :]
-    return s.repeat_interleave(block[1], dim=-1)[..., :cols]
+    return row_scales(scale, rows, block[0], scale_rows).repeat_interleave(block[1], dim=-1)[..., :cols]
 
 
 def dequantize(weight: Tensor, scale_inv: Tensor, block: tuple[int, int] | None,
-               dtype: torch.dtype) -> Tensor:
+               dtype: torch.dtype, scale_rows: Tensor | None = None) -> Tensor:
     """The checkpoint's weight in `dtype`: Wq * scale_inv per block (one scale per tensor when
     `block` is None). Any leading dims (fused experts [E, N, K] with scales [E, gn, gk]).
     Computed in fp32 and rounded once to `dtype`."""
@@ -41,7 +54,7 @@ def dequantize(weight: Tensor, scale_inv: Tensor, block: tuple[int, int] | None,
     s = scale_inv.to(torch.float32)
     if block is None:
         return (w * s).to(dtype)
-    return (w * expand_scales(s, w.shape[-2], w.shape[-1], block)).to(dtype)
+    return (w * expand_scales(s, w.shape[-2], w.shape[-1], block, scale_rows)).to(dtype)
 
 
 def quantize(weight: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:
@@ -69,20 +82,43 @@ def quantize_activation(x: Float[Tensor, "num_tokens in_features"], group: int
     return q[:, 0], s[:, 0]
 
 
+def _activation(xq: Tensor, x_scale: Tensor, block_k: int) -> Tensor:
+    """The quantized activation in fp32, any leading dims."""
+    return dequantize(xq.unsqueeze(-2), x_scale.unsqueeze(-2), (1, block_k), torch.float32).squeeze(-2)
+
+
 @checked
 def fp8_block_matmul(xq: Shaped[Tensor, "num_tokens in_features"], x_scale: Float[Tensor, "num_tokens in_groups"],
                      wq: Shaped[Tensor, "out_features in_features"], w_scale: Float[Tensor, "out_groups in_groups"],
-                     block: tuple[int, int], out_dtype: torch.dtype) -> Float[Tensor, "num_tokens out_features"]:
+                     block: tuple[int, int], out_dtype: torch.dtype,
+                     scale_rows: Int[Tensor, "out_features"] | None = None) -> Float[Tensor, "num_tokens out_features"]:
     """y = dequant(xq) @ dequant(wq)^T in fp32, rounded once to out_dtype: the kernel's
     arithmetic (each FP8 product is exact in fp32; only the summation order differs)."""
-    x = dequantize(xq[:, None, :], x_scale[:, None, :], (1, block[1]), torch.float32)[:, 0]
-    w = dequantize(wq, w_scale, block, torch.float32)
-    return (x @ w.t()).to(out_dtype)
+    w = dequantize(wq, w_scale, block, torch.float32, scale_rows)
+    return (_activation(xq, x_scale, block[1]) @ w.t()).to(out_dtype)
 
 
-def fp8_linear_reference(x: Tensor, wq: Tensor, w_scale: Tensor, block: tuple[int, int]) -> Tensor:
+@checked
+def fp8_batched_matmul(xq: Shaped[Tensor, "matmuls num_rows in_features"],
+                       x_scale: Float[Tensor, "matmuls num_rows in_groups"],
+                       wq: Shaped[Tensor, "experts out_features in_features"],
+                       w_scale: Float[Tensor, "experts out_groups in_groups"], block: tuple[int, int],
+                       out_dtype: torch.dtype, experts: Int[Tensor, "matmuls"] | None = None,
+                       scale_rows: Int[Tensor, "out_features"] | None = None
+                       ) -> Float[Tensor, "matmuls num_rows out_features"]:
+    """Product b = x[b] @ W[experts[b]]^T (W[b] without `experts`) for a stack of block-scaled
+    weights sharing one row layout: fp8_block_matmul per product."""
+    if experts is not None:
+        wq, w_scale = wq.index_select(0, experts), w_scale.index_select(0, experts)
+    w = dequantize(wq, w_scale, block, torch.float32, scale_rows)
+    return torch.matmul(_activation(xq, x_scale, block[1]), w.transpose(-1, -2)).to(out_dtype)
+
+
+def fp8_linear_reference(x: Tensor, wq: Tensor, w_scale: Tensor, block: tuple[int, int],
+                         scale_rows: Tensor | None = None) -> Tensor:
     """x @ W^T for an FP8 block-scaled W, any leading dims of x: the activation quantized
     per token and group, then `fp8_block_matmul`. Output in x's dtype."""
     lead = x.shape[:-1]
     xq, xs = quantize_activation(x.reshape(-1, x.shape[-1]), block[1])
-    return fp8_block_matmul(xq, xs, wq, w_scale, block, x.dtype).view(*lead, wq.shape[0])
+    return fp8_block_matmul(xq, xs, wq, w_scale, block, x.dtype, scale_rows).view(*lead, wq.shape[0])
+

@@ -3,7 +3,9 @@ logit softcap), the oracle for the Triton kernels.
 
 KV pool per layer: k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]; block 0 is
 the null block. Position p of request i lives in block block_table[i, p // block_size] at
-offset p % block_size (slot id = block * block_size + offset). The KV of the step's own
+offset p % block_size (slot id = block * block_size + offset); with a sliding window the
+table may hold only the blocks the window reads (engine/kv_pools.py: the entries below are
+the null block, and nothing below the window is gathered). The KV of the step's own
 tokens must already be in the pool (`write_kv`) before attention runs. A request's new
 tokens are the last q_len positions of its context: seq_len - q_len .. seq_len - 1.
 
@@ -39,23 +41,37 @@ def write_kv(
 
 def _gather_kv(k_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
                v_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
-               block_table: Int[Tensor, "num_reqs max_blocks"], seq_lens: Int[Tensor, "num_reqs"], ctx_len: int
+               block_table: Int[Tensor, "num_reqs max_blocks"], seq_lens: Int[Tensor, "num_reqs"], ctx_len: int,
+               first_pos: Int[Tensor, "num_reqs"] | None = None
                ) -> tuple[Float[Tensor, "num_reqs ctx_len kv_heads head_dim"],
                           Float[Tensor, "num_reqs ctx_len kv_heads head_dim"]]:
     """Dense K and V of positions 0..ctx_len-1 of every request. Positions at or past a
-    request's seq_len read its last real position instead (any value would do: attention
-    masks them), so the gather never touches storage the request does not own, which may
-    hold anything (even NaN: 0 * NaN would leak through the softmax product)."""
-    return _gather_slots(k_cache, v_cache, context_slots(block_table, seq_lens - 1, k_cache.shape[1], ctx_len))
+    request's seq_len read its last real position instead, and positions before `first_pos`
+    (the first key its window reads) read that one (any value would do: attention masks
+    them), so the gather never touches storage the request does not own, which may hold
+    anything (even NaN: 0 * NaN would leak through the softmax product)."""
+    return _gather_slots(k_cache, v_cache, context_slots(block_table, seq_lens - 1, k_cache.shape[1], ctx_len,
+                                                         first_pos))
 
 
 def context_slots(block_table: Int[Tensor, "num_reqs max_blocks"], last_pos: Int[Tensor, "num_reqs"],
-                  block_size: int, ctx_len: int) -> Int[Tensor, "num_reqs ctx_len"]:
+                  block_size: int, ctx_len: int, first_pos: Int[Tensor, "num_reqs"] | None = None
+                  ) -> Int[Tensor, "num_reqs ctx_len"]:
     """The cache slot of positions 0..ctx_len-1 of every request, positions past last_pos
-    reading last_pos's slot (storage the request owns; attention masks them). Not checked
-    itself (every attention call makes one): its callers at the boundaries are."""
+    reading last_pos's slot and positions before first_pos (when given: the first key a
+    sliding window reads) first_pos's: storage the request owns, which attention masks. Not
+    checked itself (every attention call makes one): its callers at the boundaries are."""
     pos = torch.minimum(torch.arange(ctx_len, device=block_table.device), last_pos[:, None])  # [R, ctx]
+    if first_pos is not None:
+        pos = torch.maximum(pos, first_pos[:, None])
     return block_table.gather(1, pos // block_size) * block_size + pos % block_size
+
+
+def window_start(first_query: Int[Tensor, "num_reqs"], sliding_window: int | None) -> Int[Tensor, "num_reqs"] | None:
+    """The first key a row whose earliest query is at `first_query` reads (None: no window)."""
+    if sliding_window is None:
+        return None
+    return (first_query - (sliding_window - 1)).clamp(min=0)
 
 
 def _gather_slots(k_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
@@ -124,8 +140,9 @@ def paged_attention_prefill(
         start, end, ctx = bounds[i], bounds[i + 1], lens[i]
         if end == start:
             continue
-        kk, vv = _gather_kv(k_cache, v_cache, block_table[i:i + 1], seq_lens[i:i + 1], ctx)
         q_pos = torch.arange(ctx - (end - start), ctx, device=q.device)[None]
+        kk, vv = _gather_kv(k_cache, v_cache, block_table[i:i + 1], seq_lens[i:i + 1], ctx,
+                            window_start(q_pos[:, 0], sliding_window))
         out[start:end] = _attend(q[None, start:end], kk, vv, q_pos, scale, sliding_window, softcap)[0]
     return out
 
@@ -149,14 +166,16 @@ def paged_attention_verify(
     row of zeros, seq_len = bundle) read the null block and stay finite. Requires
     seq_lens >= bundle, so every query sees at least itself. `max_seq_len` (an upper bound
     of seq_lens, known on the host) avoids a device sync; graphs pass the largest possible.
-    `kv_slots` (`context_slots` of the rows, computed once for several calls): K/V are
-    gathered through it instead, over its ctx_len (which must cover seq_lens)."""
+    `kv_slots` (`context_slots` of the rows, computed once for several calls, clamped from
+    below to the window like `_gather_kv`): K/V are gathered through it instead, over its
+    ctx_len (which must cover seq_lens)."""
     bundle = q.shape[1]
     if kv_slots is not None:
         kk, vv = _gather_slots(k_cache, v_cache, kv_slots)
     else:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
-        kk, vv = _gather_kv(k_cache, v_cache, block_table, seq_lens, max_seq_len)
+        kk, vv = _gather_kv(k_cache, v_cache, block_table, seq_lens, max_seq_len,
+                            window_start(seq_lens - bundle, sliding_window))
     q_pos = seq_lens[:, None] - bundle + torch.arange(bundle, device=q.device)
     return _attend(q, kk, vv, q_pos, scale, sliding_window, softcap)

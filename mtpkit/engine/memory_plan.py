@@ -3,11 +3,13 @@
 The budget is what the engine may use on its device: `memory_budget` bytes, or on CUDA
 `gpu_memory_utilization` x the device's memory less what others already hold there. From it
 come, in order: the weights (computed before any is read: the model built on the meta device,
-every parameter at its rank's shape and its loaded dtype, FP8 layers at one byte per weight
-plus their scales), the activations of the largest step (estimated from the config first; on
+every parameter at its rank's shape and its loaded dtype, kept FP8 weights at one byte each
+plus their fp32 scales and row indices), the activations of the largest step (estimated from the config first; on
 CUDA then measured by a profile run: a prefill of max_num_batched_tokens tokens), and the
 caches: the state pool slots for max_num_seqs requests (`bundle` each, the null slot), the
-KV pool every byte left, at least one request at max_model_len (shorter requests share it).
+sliding-window KV pools at the sizes their windows bound (engine/kv_pools.py), the
+full-attention KV pool every byte left, at least one request at max_model_len (shorter
+requests share it).
 Too little for one request is a ConfigError with the numbers, raised before any weight is
 read. CUDA-graph memory is not measured (graphs are captured lazily, after the plan).
 """
@@ -35,38 +37,49 @@ class MemoryPlan:
     weight_bytes: int
     activation_bytes: int
     activation_source: str          # "estimated" or "measured"
-    num_blocks: int                 # null block included
+    num_blocks: int                 # the full-attention pool's, null block included
     num_slots: int | None           # null slot included; None: the model keeps no state
-    bytes_per_block: int
+    bytes_per_block: int            # of the full-attention pool
     bytes_per_slot: int
     max_concurrent: int             # requests at max_model_len the pools hold at once
     max_model_len: int
+    sliding_bytes: int = 0          # the sliding-window pools, sized by their windows
+    sliding_blocks: dict = dataclasses.field(default_factory=dict)   # pool name -> blocks
 
     @property
     def cache_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block + (self.num_slots or 0) * self.bytes_per_slot
+        return (self.num_blocks * self.bytes_per_block + self.sliding_bytes
+                + (self.num_slots or 0) * self.bytes_per_slot)
 
     def summary(self) -> str:
         state = (f", {self.num_slots} state slots ({_gib(self.num_slots * self.bytes_per_slot)})"
                  if self.num_slots is not None else "")
+        sliding = "".join(f", {n} {name} blocks" for name, n in self.sliding_blocks.items())
+        sliding += f" ({_gib(self.sliding_bytes)})" if self.sliding_blocks else ""
         return (f"mtpkit memory plan: budget {_gib(self.budget)} = weights {_gib(self.weight_bytes)} + "
                 f"activations {_gib(self.activation_bytes)} ({self.activation_source}) + caches "
                 f"{_gib(self.cache_bytes)}: {self.num_blocks} KV blocks "
-                f"({_gib(self.num_blocks * self.bytes_per_block)}){state}; at most {self.max_concurrent} "
+                f"({_gib(self.num_blocks * self.bytes_per_block)}){sliding}{state}; at most {self.max_concurrent} "
                 f"concurrent requests at max_model_len={self.max_model_len}")
 
 
 def plan_pools(*, budget: int, weight_bytes: int, activation_bytes: int, activation_source: str,
                spec: CacheSpec, block_size: int, dtype: torch.dtype, max_blocks: int, bundle: int,
-               max_num_seqs: int, max_model_len: int, source: str) -> MemoryPlan:
-    """The pools' sizes; `source` names the budget in the error (e.g. "memory_budget=...")."""
-    bpb = spec.bytes_per_block(block_size, dtype)
+               max_num_seqs: int, max_model_len: int, source: str,
+               sliding_blocks: dict[str, int] | None = None) -> MemoryPlan:
+    """The pools' sizes; `source` names the budget in the error (e.g. "memory_budget=...").
+    `sliding_blocks`: the sliding-window pools' sizes (kv_pools.pool_sizes), fixed here."""
+    sliding_blocks = sliding_blocks or {}
+    pools = {p.name: p for p in spec.pools}
+    bpb = pools["full"].bytes_per_block(block_size, dtype) if "full" in pools else 0
+    sliding = sum(n * pools[name].bytes_per_block(block_size, dtype) for name, n in sliding_blocks.items())
     bps = spec.bytes_per_slot(dtype) if spec.has_state else 0
     # The state pool holds every request the scheduler may run (max_num_seqs: a request owns
-    # its slots while running, whatever its length); the KV pool at least one request at
-    # max_model_len plus the null block, and every byte left.
+    # its slots while running, whatever its length), the sliding pools what their windows
+    # bound; the full KV pool at least one request at max_model_len plus the null block, and
+    # every byte left.
     num_slots = 1 + max_num_seqs * bundle if spec.has_state else None
-    state = (num_slots or 0) * bps
+    state = (num_slots or 0) * bps + sliding
     kv_min = (1 + max_blocks) * bpb
     left = budget - weight_bytes - activation_bytes - state
     if left < kv_min:
@@ -74,16 +87,17 @@ def plan_pools(*, budget: int, weight_bytes: int, activation_bytes: int, activat
         raise ConfigError(
             f"the model cannot fit in {source}: budget {_gib(budget)}, but weights need {_gib(weight_bytes)}, "
             f"activations {_gib(activation_bytes)} ({activation_source}), "
-            + (f"the state pool {_gib(state)} ({num_slots} slots of {bps} B: bundle={bundle} per request for "
-               f"max_num_seqs={max_num_seqs}, and the null slot), " if num_slots else "")
+            + (f"the state pool {_gib(state - sliding)} ({num_slots} slots of {bps} B: bundle={bundle} per request "
+               f"for max_num_seqs={max_num_seqs}, and the null slot), " if num_slots else "")
+            + (f"the sliding-window KV pools {_gib(sliding)} ({sliding_blocks} blocks), " if sliding_blocks else "")
             + f"the KV pool for one request at max_model_len={max_model_len} "
             f"{_gib(kv_min)} ({1 + max_blocks} blocks of {bpb} B, the null block included): {_gib(need)} in all, "
             f"{_gib(need - budget)} short. Give a larger budget, or lower max_model_len, max_num_seqs or "
             "max_num_batched_tokens, or use an FP8 checkpoint or tensor parallelism")
-    num_blocks = left // bpb
-    max_concurrent = min(max_num_seqs, (num_blocks - 1) // max_blocks)
+    num_blocks = left // bpb if bpb else 2
+    max_concurrent = min(max_num_seqs, (num_blocks - 1) // max_blocks) if bpb else max_num_seqs
     return MemoryPlan(budget, weight_bytes, activation_bytes, activation_source, num_blocks, num_slots,
-                      bpb, bps, max_concurrent, max_model_len)
+                      bpb, bps, max_concurrent, max_model_len, sliding, dict(sliding_blocks))
 
 
 def budget_of(device: torch.device, memory_budget: int | None, gpu_memory_utilization: float | None,
@@ -116,8 +130,8 @@ def budget_of(device: torch.device, memory_budget: int | None, gpu_memory_utiliz
 def meta_model(family, cfg, *, path, load_format: str, device: torch.device, attn_backend, tp,
                keep_fp8: bool | None = None, **kwargs) -> torch.nn.Module:
     """The model with every parameter on the meta device (shapes and dtypes, no memory), its
-    plain linear layers in FP8 mode where the loader will keep them so (FP8 checkpoints;
-    `keep_fp8` as the loader's: default on CUDA; from config.json and the headers)."""
+    modules in FP8 mode where the loader will keep FP8 weights (FP8 checkpoints; `keep_fp8`
+    as the loader's: default on CUDA; from config.json and the headers)."""
     from ..attn.backend import select_backend
     from ..models.loader import fp8_weights, keep_fp8_linears
     keep = device.type == "cuda" if keep_fp8 is None else keep_fp8
@@ -165,6 +179,6 @@ def activation_estimate(model: torch.nn.Module, *, tokens: int, logits_rows: int
     for p in model.parameters():
         if p.dim() == 2:
             widest = max(widest, p.shape[0] if p.shape[0] != vocab else 0)
-        elif p.dim() == 3:               # [local experts, 2I, hidden]
+        elif p.dim() == 3 and not getattr(p, "expert_down", False):   # [local experts, 2I, hidden]
             widest = max(widest, p.shape[0] * p.shape[1])
     return 4 * tokens * widest * dtype.itemsize + 2 * logits_rows * vocab * 4

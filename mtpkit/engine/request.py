@@ -85,7 +85,7 @@ class Request:
     status: Status = Status.WAITING
     num_computed: int = 0          # tokens whose KV and recurrent state are in the caches
     prefill_target: int = 0        # tokens to prefill (prompt + outputs when recomputed)
-    block_ids: list[int] = dataclasses.field(default_factory=list)
+    block_tables: list = dataclasses.field(default_factory=list)   # kv_pools.BlockTable per KV pool
     state_slots: list[int] | None = None
     prev_num_emitted: int = 1      # tokens the previous step emitted (a >= 1): selects the state to read
     drafts: list[int] = dataclasses.field(default_factory=list)

@@ -60,7 +60,7 @@ class ModelRunner:
     def _prefill(self, plan: StepPlan) -> list[ReqResult]:
         reqs = plan.reqs
         chunks = [PrefillChunk(r.all_token_ids[r.num_computed:r.num_computed + n], r.num_computed,
-                               r.block_ids, r.state_slots)
+                               [t.ids for t in r.block_tables], r.state_slots)
                   for r, n in zip(reqs, plan.chunk_lens)]
         token_ids, positions, meta = build_prefill(chunks, self.cfg.block_size, self.cfg.max_blocks, self.device)
         hidden = self.model(token_ids, positions, meta, self.cache)
@@ -92,7 +92,7 @@ class ModelRunner:
                 following.extend(follow)
             rows = finishing or [0]   # observe: no row samples, the drafter only reads the step
             inp = DraftInputs(hidden, token_ids, torch.tensor(following, dtype=torch.int64, device=self.device),
-                              positions, meta.slot_mapping, meta.logits_indices[rows], meta.block_table[rows],
+                              positions, meta.slot_mappings, meta.logits_indices[rows], meta.block_tables[:, rows],
                               meta.max_seq_len, meta)
             if finishing:
                 drafts = self._prefill_drafts(inp)
@@ -113,7 +113,7 @@ class ModelRunner:
     def _verify(self, plan: StepPlan) -> list[ReqResult]:
         reqs, R, B, k = plan.reqs, plan.num_reqs, plan.bundle, plan.bundle - 1
         n = plan.num_reqs_padded
-        rows = [UniformRow([r.all_token_ids[-1]] + r.drafts, r.num_computed, r.block_ids,
+        rows = [UniformRow([r.all_token_ids[-1]] + r.drafts, r.num_computed, [t.ids for t in r.block_tables],
                            r.state_slots, r.prev_num_emitted) for r in reqs]
         meta = None
         if self.graphs is not None:
@@ -141,8 +141,8 @@ class ModelRunner:
                 drafts_out = self.graphs.propose(tokens, num_emitted)
             else:  # eager: n == R
                 next_tokens, last_idx = verify_outcome(token_ids.view(n, B), tokens, num_emitted)
-                inp = DraftInputs(hidden, token_ids, next_tokens, positions, meta.slot_mapping, last_idx,
-                                  meta.block_table, meta.max_seq_len, meta)
+                inp = DraftInputs(hidden, token_ids, next_tokens, positions, meta.slot_mappings, last_idx,
+                                  meta.block_tables, meta.max_seq_len, meta)
                 drafts_out = self.drafter.propose(inp, self.cache)
             new_drafts = self.tp.broadcast(drafts_out[:R].contiguous()).tolist()
         return [ReqResult(tok_list[i][:emitted_counts[i]], emitted_counts[i], limit_list[i], new_drafts[i]) for i in range(R)]

@@ -4,7 +4,9 @@ A step is either PREFILL (ragged prompt chunks within a token budget; new reques
 admitted here, running ones keep decoding in the steps between) or VERIFY (every decoding
 request feeds `bundle` tokens: uniform, so graph-shaped). When KV blocks run out the most
 recently admitted request is preempted: its storage is freed and it is recomputed later from
-its prompt plus what it has generated. No request is dropped or truncated silently.
+its prompt plus what it has generated. No request is dropped or truncated silently. KV blocks
+come from the pools of engine/kv_pools.py: a sliding pool's blocks below the window are
+returned as the request advances (when its next step is scheduled).
 """
 
 import collections
@@ -12,7 +14,8 @@ import dataclasses
 import enum
 
 from ..config import EngineConfig
-from .cache import BlockAllocator, SlotAllocator
+from .cache import SlotAllocator
+from .kv_pools import KVPools
 from .request import Request, Status
 
 
@@ -45,9 +48,8 @@ class ReqResult:
 
 
 class Scheduler:
-    def __init__(self, ecfg: EngineConfig, blocks: BlockAllocator, slots: SlotAllocator,
-                 dispatch=None):
-        self.cfg, self.blocks, self.slots = ecfg, blocks, slots
+    def __init__(self, ecfg: EngineConfig, pools: KVPools, slots: SlotAllocator, dispatch=None):
+        self.cfg, self.pools, self.slots = ecfg, pools, slots
         self.dispatch = dispatch or (lambda n: n)   # num_reqs -> num_reqs_padded
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -85,18 +87,12 @@ class Scheduler:
                                "(this is a bug: requests that can never fit are refused when added)")
         return None
 
-    def _blocks_for(self, positions: int) -> int:
-        return -(-min(positions, self.cfg.max_positions) // self.cfg.block_size)
-
     def _ensure_blocks(self, r: Request, positions: int) -> bool:
-        need = self._blocks_for(positions) - len(r.block_ids)
-        if need <= 0:
-            return True
-        got = self.blocks.allocate(need)
-        if got is None:
-            return False
-        r.block_ids.extend(got)
-        return True
+        """Blocks for r's next step, whose queries start at r.num_computed, up to `positions`
+        (sliding pools first return what that step's window no longer reads)."""
+        if not r.block_tables:
+            r.block_tables = self.pools.new_tables()
+        return self.pools.ensure(r.block_tables, r.num_computed, positions)
 
     def _schedule_prefill(self) -> StepPlan | None:
         budget, reqs, lens = self.cfg.max_num_batched_tokens, [], []
@@ -129,15 +125,18 @@ class Scheduler:
             target = r.num_tokens
             n = min(target, budget)
             extra = ahead if n == target else 0
-            # Admit only what the free pool can hold whole (prompt + the first verify step):
-            # admitting a chunk of a prompt that cannot finish only starts a preemption cycle.
-            if self.blocks.num_free < self._blocks_for(target + self._verify_span) or \
+            r.num_computed = 0
+            # Admit only what the free pools can hold at the request's peak (prompt + the first
+            # verify step; a sliding pool: its window and a step): admitting a chunk of a prompt
+            # that cannot finish only starts a preemption cycle.
+            if not self.pools.can_hold(target + self._verify_span, max(n + extra, self._verify_span)) or \
                     not self._ensure_blocks(r, n + extra):
+                self._release_blocks(r)
                 self.slots.free(slots)
                 break
             self.waiting.popleft()
             r.status, r.state_slots = Status.RUNNING, slots
-            r.num_computed, r.prefill_target, r.prev_num_emitted, r.drafts = 0, target, 1, []
+            r.prefill_target, r.prev_num_emitted, r.drafts = target, 1, []
             self.running.append(r)
             reqs.append(r), lens.append(n)
             budget -= n
@@ -147,9 +146,7 @@ class Scheduler:
 
     @property
     def _verify_span(self) -> int:
-        """Positions a verify step writes from num_computed on: the bundle, then the drafter's
-        lookahead."""
-        return self.cfg.bundle + self.cfg.kv_lookahead
+        return self.cfg.verify_span
 
     def _schedule_verify(self, decoding: list[Request]) -> StepPlan | None:
         scheduled = []
@@ -176,12 +173,16 @@ class Scheduler:
     def _release(self, r: Request) -> None:
         if r in self.running:
             self.running.remove(r)
+        self._release_blocks(r)
         # Detach before freeing: an interrupt between the two then leaks, never frees twice.
-        blocks, slots, r.block_ids, r.state_slots = r.block_ids, r.state_slots, [], None
-        if blocks:
-            self.blocks.free(blocks)
+        slots, r.state_slots = r.state_slots, None
         if slots:
             self.slots.free(slots)
+
+    def _release_blocks(self, r: Request) -> None:
+        tables, r.block_tables = r.block_tables, []
+        if tables:
+            self.pools.release(tables)
 
     # ---- abort ----------------------------------------------------------------------
     def abort(self, reqs: list[Request]) -> list[Request]:

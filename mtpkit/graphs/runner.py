@@ -60,21 +60,21 @@ class StaticBuffers:
 
     token_ids: Tensor        # [max_reqs * bundle]
     positions: Tensor        # [max_reqs * bundle]
-    slot_mapping: Tensor     # [max_reqs * bundle]
+    slot_mappings: Tensor    # [kv_pools, max_reqs * bundle]
     seq_lens: Tensor         # [max_reqs]
-    block_table: Tensor      # [max_reqs, max_blocks]
+    block_tables: Tensor     # [kv_pools, max_reqs, max_blocks]
     state_slots: Tensor      # [max_reqs, bundle]
     prev_num_emitted: Tensor     # [max_reqs]
     emitted: Tensor          # [max_reqs * bundle]  (propose: what the verify step emitted, per row)
     num_emitted: Tensor      # [max_reqs]           (propose: how many)
 
     @classmethod
-    def allocate(cls, max_reqs: int, bundle: int, max_blocks: int, device) -> "StaticBuffers":
+    def allocate(cls, max_reqs: int, bundle: int, max_blocks: int, pools: int, device) -> "StaticBuffers":
         def zeros(*shape):
             return torch.zeros(*shape, dtype=torch.int64, device=device)
         n = max_reqs * bundle
-        buf = cls(zeros(n), zeros(n), zeros(n), zeros(max_reqs), zeros(max_reqs, max_blocks), zeros(max_reqs, bundle),
-                  zeros(max_reqs), zeros(n), zeros(max_reqs))
+        buf = cls(zeros(n), zeros(n), zeros(pools, n), zeros(max_reqs), zeros(pools, max_reqs, max_blocks),
+                  zeros(max_reqs, bundle), zeros(max_reqs), zeros(n), zeros(max_reqs))
         buf.make_inert(max_reqs, bundle)
         return buf
 
@@ -83,9 +83,9 @@ class StaticBuffers:
         reads and writes only the null block and the null slot."""
         self.token_ids[:n * bundle].zero_()
         self.positions[:n * bundle].copy_(torch.arange(bundle, device=self.positions.device).repeat(n))
-        self.slot_mapping[:n * bundle].zero_()
+        self.slot_mappings[:, :n * bundle].zero_()
         self.seq_lens[:n].fill_(bundle)
-        self.block_table[:n].zero_()
+        self.block_tables[:, :n].zero_()
         self.state_slots[:n].zero_()
         self.prev_num_emitted[:n].fill_(1)
         self.emitted[:n * bundle].zero_()
@@ -94,8 +94,8 @@ class StaticBuffers:
     def inputs(self, n: int, bundle: int) -> tuple[Tensor, ...]:
         """The views a verify graph reads, in its argument order."""
         T = n * bundle
-        return (self.token_ids[:T], self.positions[:T], self.slot_mapping[:T], self.seq_lens[:n],
-                self.block_table[:n], self.state_slots[:n], self.prev_num_emitted[:n])
+        return (self.token_ids[:T], self.positions[:T], self.slot_mappings[:, :T], self.seq_lens[:n],
+                self.block_tables[:, :n], self.state_slots[:n], self.prev_num_emitted[:n])
 
 
 class GraphRunner:
@@ -103,7 +103,8 @@ class GraphRunner:
                  plan: CapturePlan, drafter: Drafter | None, device: torch.device):
         self.model, self.cache, self.cfg, self.plan = model, cache, ecfg, plan
         self.drafter, self.device, self.bundle = drafter, device, ecfg.bundle
-        self.buf = StaticBuffers.allocate(plan.sizes[-1], self.bundle, ecfg.max_blocks, device)
+        self.buf = StaticBuffers.allocate(plan.sizes[-1], self.bundle, ecfg.max_blocks, len(cache.pool_windows),
+                                          device)
         self.cuda = device.type == "cuda"
         # CPU graphs are traced unless the trace would leave something out: the model's
         # collectives, or kernels the tracer cannot see into (Triton, run by its interpreter).
@@ -123,20 +124,22 @@ class GraphRunner:
     # graph records them once). The cache tensors are arguments too, not constants a trace
     # would hold: TorchScript's optimiser may fold ops on constants, and the caches change
     # between replays.
-    def _meta(self, slot_mapping, seq_lens, block_table, state_slots, prev_num_emitted, max_seq_len) -> UniformMetadata:
+    def _meta(self, slot_mappings, seq_lens, block_tables, state_slots, prev_num_emitted, max_seq_len
+              ) -> UniformMetadata:
         n = seq_lens.shape[0]
-        return UniformMetadata(seq_lens, block_table, slot_mapping, state_slots, prev_num_emitted, n, n,
+        return UniformMetadata(seq_lens, block_tables, slot_mappings, state_slots, prev_num_emitted, n, n,
                                self.bundle, max_seq_len)
 
     @checked
     def _verify_body(
         self, max_seq_len: int,
         token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
-        slot_mapping: Int[Tensor, "num_tokens"], seq_lens: Int[Tensor, "num_reqs_padded"],
-        block_table: Int[Tensor, "num_reqs_padded max_blocks"], state_slots: Int[Tensor, "num_reqs_padded bundle"],
+        slot_mappings: Int[Tensor, "kv_pools num_tokens"], seq_lens: Int[Tensor, "num_reqs_padded"],
+        block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"],
+        state_slots: Int[Tensor, "num_reqs_padded bundle"],
         prev_num_emitted: Int[Tensor, "num_reqs_padded"], *cache: Tensor,
     ) -> tuple[Float[Tensor, "num_tokens hidden"], Float[Tensor, "num_tokens vocab"]]:
-        meta = self._meta(slot_mapping, seq_lens, block_table, state_slots, prev_num_emitted, max_seq_len)
+        meta = self._meta(slot_mappings, seq_lens, block_tables, state_slots, prev_num_emitted, max_seq_len)
         hidden = self.model(token_ids, positions, meta, self.cache.with_tensors(cache))
         return hidden, self.model.compute_logits(hidden)
 
@@ -146,14 +149,15 @@ class GraphRunner:
         hidden: Float[Tensor, "num_tokens hidden"], emitted: Int[Tensor, "num_tokens"],
         num_emitted: Int[Tensor, "num_reqs_padded"],
         token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
-        slot_mapping: Int[Tensor, "num_tokens"], seq_lens: Int[Tensor, "num_reqs_padded"],
-        block_table: Int[Tensor, "num_reqs_padded max_blocks"], state_slots: Int[Tensor, "num_reqs_padded bundle"],
+        slot_mappings: Int[Tensor, "kv_pools num_tokens"], seq_lens: Int[Tensor, "num_reqs_padded"],
+        block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"],
+        state_slots: Int[Tensor, "num_reqs_padded bundle"],
         prev_num_emitted: Int[Tensor, "num_reqs_padded"], *cache: Tensor,
     ) -> Int[Tensor, "num_reqs_padded num_spec"]:
         n = num_emitted.shape[0]
         next_tokens, last_idx = verify_outcome(token_ids.view(n, -1), emitted.view(n, -1), num_emitted)
-        meta = self._meta(slot_mapping, seq_lens, block_table, state_slots, prev_num_emitted, max_seq_len)
-        inp = DraftInputs(hidden, token_ids, next_tokens, positions, slot_mapping, last_idx, block_table,
+        meta = self._meta(slot_mappings, seq_lens, block_tables, state_slots, prev_num_emitted, max_seq_len)
+        inp = DraftInputs(hidden, token_ids, next_tokens, positions, slot_mappings, last_idx, block_tables,
                           max_seq_len, meta)
         return self.drafter.propose(inp, self.cache.with_tensors(cache))
 
@@ -162,10 +166,10 @@ class GraphRunner:
         self, max_seq_len: int,
         hidden: Float[Tensor, "num_tokens hidden"], token_ids: Int[Tensor, "num_tokens"],
         next_tokens: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
-        slot_mapping: Int[Tensor, "num_tokens"], last_idx: Int[Tensor, "num_reqs_padded"],
-        block_table: Int[Tensor, "num_reqs_padded max_blocks"], *cache: Tensor,
+        slot_mappings: Int[Tensor, "kv_pools num_tokens"], last_idx: Int[Tensor, "num_reqs_padded"],
+        block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"], *cache: Tensor,
     ) -> Int[Tensor, "num_reqs_padded num_spec"]:
-        inp = DraftInputs(hidden, token_ids, next_tokens, positions, slot_mapping, last_idx, block_table,
+        inp = DraftInputs(hidden, token_ids, next_tokens, positions, slot_mappings, last_idx, block_tables,
                           max_seq_len)
         return self.drafter.propose(inp, self.cache.with_tensors(cache))
 
@@ -285,9 +289,9 @@ class GraphRunner:
         buf = self.buf
         buf.token_ids[:n * B].copy_(tok)
         buf.positions[:n * B].copy_(pos)
-        buf.slot_mapping[:n * B].copy_(meta.slot_mapping)
+        buf.slot_mappings[:, :n * B].copy_(meta.slot_mappings)
         buf.seq_lens[:n].copy_(meta.seq_lens)
-        buf.block_table[:n].copy_(meta.block_table)
+        buf.block_tables[:, :n].copy_(meta.block_tables)
         buf.state_slots[:n].copy_(meta.state_slots)
         buf.prev_num_emitted[:n].copy_(meta.prev_num_emitted)
         if self.cuda:
@@ -340,12 +344,17 @@ class GraphRunner:
         uses = self._prefill_uses[key] = self._prefill_uses.get(key, 0) + 1
         fn = self.prefill_graphs.get(key)
 
-        def pad(x, size):
-            return x if x.shape[0] == size else torch.cat([x, x.new_zeros((size - x.shape[0],) + tuple(x.shape[1:]))])
+        def pad(x, size, dim=0):
+            if x.shape[dim] == size:
+                return x
+            shape = list(x.shape)
+            shape[dim] = size - shape[dim]
+            return torch.cat([x, x.new_zeros(shape)], dim=dim)
         if fn is None and uses > self.trace_after:
-            hidden, last_idx, block_table = inp.hidden, inp.last_idx, inp.block_table
-            inert = (hidden.new_zeros(T_pad, hidden.shape[1]),) + tuple(last_idx.new_zeros(T_pad) for _ in range(4)) + (
-                last_idx.new_zeros(n), block_table.new_zeros(n, block_table.shape[1]))
+            hidden, last_idx, tables = inp.hidden, inp.last_idx, inp.block_tables
+            P = tables.shape[0]
+            inert = (hidden.new_zeros(T_pad, hidden.shape[1]),) + tuple(last_idx.new_zeros(T_pad) for _ in range(3)) + (
+                last_idx.new_zeros(P, T_pad), last_idx.new_zeros(n), tables.new_zeros(P, n, tables.shape[2]))
             try:
                 fn = self.prefill_graphs[key] = self._trace(self._prefill_fn(context), inert + self.cache.tensors(),
                                                             f"prefill_proposal_{T_pad}_{n}_{context}")
@@ -353,8 +362,9 @@ class GraphRunner:
                 self._trace_failed(e)
         if fn is None:
             return self.drafter.propose(inp, self.cache)
-        return fn(pad(inp.hidden, T_pad), pad(inp.token_ids, T_pad), pad(inp.next_tokens, T_pad), pad(inp.positions, T_pad),
-                  pad(inp.slot_mapping, T_pad), pad(inp.last_idx, n), pad(inp.block_table, n), *self.cache.tensors())[:R]
+        return fn(pad(inp.hidden, T_pad), pad(inp.token_ids, T_pad), pad(inp.next_tokens, T_pad),
+                  pad(inp.positions, T_pad), pad(inp.slot_mappings, T_pad, 1), pad(inp.last_idx, n), pad(inp.block_tables, n, 1),
+                  *self.cache.tensors())[:R]
 
     def describe(self) -> str:
         mode = ("CUDA graphs" if self.cuda else "TorchScript traces on CPU" if self.trace

@@ -27,6 +27,6 @@ def init_dummy_weights(model: nn.Module, dtype: torch.dtype, device: torch.devic
             value = torch.ones(p.shape, device=device)
         else:
             value = torch.randn(p.shape, device=device, generator=gen) * std
-        p.data = value.to(dtype)
+        p.data = value.to(dtype) if value.is_floating_point() else value   # integer tables keep their type
     for buf in model.buffers():  # RoPE frequencies stay fp32
         buf.data = buf.data.to(device)

@@ -21,8 +21,9 @@ from ..parallel import TP
 from ..shapes import Float, Int, Tensor, checked
 from .gemma4_config import FULL, Gemma4Config
 from .layers import (MLP, ColumnParallelLinear, Linear, MergedColumnParallelLinear, PartialRoPE, RowParallelLinear,
-                     linear, vocab_parallel_embedding, vocab_parallel_logits)
+                     vocab_parallel_embedding, vocab_parallel_logits)
 from .moe import SparseMoE
+from .moe_fp8 import MoENames
 from .weights import WeightSpec, narrow, read, shard_range
 
 Metadata = PrefillMetadata | UniformMetadata
@@ -120,7 +121,11 @@ class Gemma4Experts(SparseMoE):
                          True, tp)
         self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts), requires_grad=False)
 
-    def checkpoint_specs(self, prefix: str) -> list[WeightSpec]:
+    def moe_names(self, prefix: str, fp8_names) -> MoENames:
+        layer = prefix.rpartition(".")[0]
+        return MoENames(router=f"{layer}.router.proj.weight", experts=f"{layer}.experts", fused=True)
+
+    def plain_specs(self, prefix: str) -> list[WeightSpec]:
         """router.proj.weight [E, H] and router.per_expert_scale [E] (replicated: every rank
         routes alike); experts.gate_up_proj [E, 2I, H] (gate rows first) and
         experts.down_proj [E, H, I], of which this rank reads its whole experts."""
@@ -148,7 +153,7 @@ class Gemma4Experts(SparseMoE):
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"], router_x: Float[Tensor, "num_tokens hidden"]
                 ) -> Float[Tensor, "num_tokens hidden"]:
-        return self._experts(x, linear(router_x, self.w_in))     # router logits [T, E]
+        return self._experts(x, self.project_in(router_x))     # router logits [T, E]
 
 
 class Router(nn.Module):
@@ -201,6 +206,7 @@ class Attention(nn.Module):
                 cache: CacheTensors) -> Float[Tensor, "num_tokens hidden"]:
         hq, hkv, hd = self.heads, self.kv_heads, self.hd
         k_cache, v_cache = cache.kv[self.kv_group][self.kv_index]
+        pool = cache.pool_index[self.kv_group]
         if self.shared:
             q = self.q_proj(x).view(-1, hq, hd)
         else:
@@ -209,15 +215,16 @@ class Attention(nn.Module):
             k = h[:, hq * hd:(hq + hkv) * hd].view(-1, hkv, hd)
             v = k if self.k_eq_v else h[:, (hq + hkv) * hd:].view(-1, hkv, hd)
             k = self.rope(positions, self.k_norm(k))
-            self.ops.write_kv(k, self.v_norm(v), k_cache, v_cache, meta.slot_mapping)
+            self.ops.write_kv(k, self.v_norm(v), k_cache, v_cache, meta.slot_mappings[pool])
         q = self.rope(positions, self.q_norm(q))
         if isinstance(meta, PrefillMetadata):
             o = self.ops.paged_attention_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                                 meta.block_table, 1.0, sliding_window=self.window)
+                                                 meta.block_tables[pool], 1.0, sliding_window=self.window)
         else:
             o = self.ops.paged_attention_verify(q.view(meta.num_reqs_padded, meta.q_len, hq, hd), k_cache, v_cache,
-                                                meta.seq_lens, meta.block_table, 1.0, sliding_window=self.window,
-                                                max_seq_len=meta.max_seq_len, kv_slots=meta.kv_slots)
+                                                meta.seq_lens, meta.block_tables[pool], 1.0,
+                                                sliding_window=self.window, max_seq_len=meta.max_seq_len,
+                                                kv_slots=None if meta.kv_slots is None else meta.kv_slots[pool])
         return self.o_proj(o.reshape(-1, hq * hd))
 
 

@@ -7,6 +7,8 @@ all-reduce each). The vocabulary-parallel embedding and lm_head are the two func
 them. Projections of the same input are merged into one weight (one matmul): at decode batch
 sizes every op costs a fixed overhead, so fewer, larger ops are what makes a step fast.
 Each module that merges checkpoint tensors says how (`checkpoint_specs`, see weights.py).
+For FP8 checkpoints kept in FP8 (`use_fp8`) the same modules describe their rows and columns
+as checkpoint `Part`s and `Columns`, from which fp8_layout.py lays out the FP8 weight.
 
 The linear family and the norms are shape-polymorphic (any leading dims, the feature dim
 last: tokens x hidden, tokens x heads x head_dim, tokens*heads x v_dim), so their forward
@@ -20,6 +22,7 @@ from torch import nn
 
 from ..parallel import TP
 from ..shapes import Float, Int, Tensor, checked
+from .fp8_layout import Columns, FP8Rows, Part
 from .weights import WeightSpec, inverse, narrow, read, shard_range
 
 
@@ -38,6 +41,7 @@ class Linear(nn.Module):
         if self.shard_dim is not None:
             shape[self.shard_dim] = self._part()[1]
         self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
+        self.fp8 = None  # FP8 mode: the weight kept as the checkpoint's FP8 data and block scales
 
     def _part(self) -> tuple[int, int]:
         """(start, length) of this rank's slice of the sharded dim."""
@@ -51,51 +55,36 @@ class Linear(nn.Module):
             return read(full)
         return narrow(full, self.shard_dim, *self._part()).contiguous()
 
-    fp8_block: tuple[int, int] | None = None  # set by use_fp8: weight kept FP8 with block scales
+    # ---- FP8 mode (models/fp8_layout.py) ---------------------------------------------
+    def fp8_parts(self, prefix: str) -> list[Part]:
+        """This rank's rows of each checkpoint tensor, in the order the weight concatenates them."""
+        start, length = self._part() if self.shard_dim == 0 else (0, self.full_shape[0])
+        return [Part(prefix + ".weight", self.full_shape[0], start, length)]
 
-    def fp8_shardable(self, block: tuple[int, int]) -> bool:
-        """Whether this rank's slice is whole scale blocks (else the weight is dequantized)."""
-        if self.shard_dim is None or self.tp.size == 1:
-            return True
-        start, length = self._part()
-        b = block[self.shard_dim]
-        return start % b == 0 and (length % b == 0 or start + length == self.full_shape[self.shard_dim])
+    def fp8_columns(self) -> Columns:
+        start, length = self._part() if self.shard_dim == 1 else (0, self.full_shape[1])
+        return Columns(self.full_shape[1], start, length)
 
-    def use_fp8(self, block: tuple[int, int]) -> None:
-        """Keep the checkpoint's FP8 weight and its block scales (`weight_scale_inv`) and run
-        the block-scaled FP8 matmul (Triton on CUDA, its torch reference elsewhere). Called
-        before loading; the loader then reads the raw pair."""
-        self.fp8_block = block
-        out, inp = self.weight.shape
-        self.weight = nn.Parameter(torch.empty(out, inp, dtype=torch.float8_e4m3fn), requires_grad=False)
-        self.weight_scale_inv = nn.Parameter(torch.empty(-(-out // block[0]), -(-inp // block[1])),
-                                             requires_grad=False)
-        self.weight_scale_inv.fp8_scale = True  # fp32 whatever the model dtype (memory planning)
+    order: Tensor | None = None  # a permutation of the concatenated rows (merged layouts)
 
-    def _scale_part(self, scale) -> torch.Tensor:
-        """This rank's scales, as fp32 (ue8m0 checkpoints store them as float8_e8m0fnu)."""
-        if self.shard_dim is None or self.tp.size == 1:
-            return read(scale).float()
-        start, length = self._part()
-        b = self.fp8_block[self.shard_dim]
-        return narrow(scale, self.shard_dim, start // b, -(-length // b)).float().contiguous()
+    def use_fp8(self, block: tuple[int, int], prefix: str, fp8_names) -> bool:
+        """Keep the checkpoint's FP8 weights (those of `fp8_names`) with their block scales and
+        run the block-scaled FP8 matmul; called before loading. False: no part is FP8."""
+        layout = FP8Rows.build(self.fp8_parts(prefix), self.order, self.fp8_columns(), block, fp8_names)
+        if layout is None:
+            return False
+        self.fp8, self.weight = layout, None
+        return True
 
     def checkpoint_specs(self, prefix: str) -> list[WeightSpec]:
+        if self.fp8 is not None:
+            return self.fp8.specs()
         name = prefix + ".weight"
-        spec = WeightSpec(self.weight, {name: self.full_shape}, lambda t: self.load_full(t[name]),
-                          lambda w: {name: w}, keep_dtype=self.fp8_block is not None)
-        if self.fp8_block is None:
-            return [spec]
-        sname, (bn, bk) = name + "_scale_inv", self.fp8_block
-        sshape = (-(-self.full_shape[0] // bn), -(-self.full_shape[1] // bk))
-        spec.sources[sname] = sshape  # read raw: the loader dequantizes a weight only without its scale
-        return [spec, WeightSpec(self.weight_scale_inv, {sname: sshape}, lambda t: self._scale_part(t[sname]),
-                                 lambda s: {sname: s}, keep_dtype=True)]
+        return [WeightSpec(self.weight, {name: self.full_shape}, lambda t: self.load_full(t[name]),
+                           lambda w: {name: w})]
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.fp8_block is not None:
-            return fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8_block)
-        return linear(x, self.weight)
+        return linear(x, self.weight) if self.fp8 is None else self.fp8(x)
 
 
 class ColumnParallelLinear(Linear):
@@ -142,8 +131,16 @@ class MergedColumnParallelLinear(Linear):
         self.sizes = [length for _, length in self.ranges]
         self.full_shape = (sum(n for _, n, _, _ in parts), in_features)
         self.weight = nn.Parameter(torch.empty(sum(self.sizes), in_features), requires_grad=False)
+        self.fp8 = None
+
+    def fp8_parts(self, prefix: str) -> list[Part]:
+        parent = prefix.rpartition(".")[0]
+        return [Part(f"{parent}.{name}.weight", n, start, length)
+                for (name, n, _, _), (start, length) in zip(self.parts, self.ranges)]
 
     def checkpoint_specs(self, prefix: str) -> list[WeightSpec]:
+        if self.fp8 is not None:
+            return self.fp8.specs()
         parent = prefix.rpartition(".")[0]
         names = [f"{parent}.{name}.weight" for name, *_ in self.parts]
         sources = {n: (rows, self.full_shape[1]) for n, (_, rows, _, _) in zip(names, self.parts)}
@@ -187,26 +184,6 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     goes to torch.mm on w's transposed view: the same BLAS product with less dispatch than
     F.linear's (bit-identical; in a traced graph w.t() of a weight is folded to a constant)."""
     return torch.mm(x, w.t()) if x.dim() == 2 else F.linear(x, w)
-
-
-def fp8_linear(x: Tensor, wq: Tensor, scale: Tensor, block: tuple[int, int]) -> Tensor:
-    """x @ W^T for a block-scaled FP8 weight: the Triton kernel on CUDA, its torch reference
-    elsewhere (imported lazily: a CPU install has no Triton). Any leading dims, like `linear`
-    (the kernel entry fp8_block_matmul is the typed boundary)."""
-    if x.device.type == "cuda" and _triton_fp8() is not None:
-        return _triton_fp8()(x, wq, scale, block)
-    from ..attn.fp8_matmul import fp8_linear_reference
-    return fp8_linear_reference(x, wq, scale, block)
-
-
-def _triton_fp8():
-    """The Triton FP8 linear, or None without Triton (a CUDA install without the gpu extra runs
-    the torch reference, as the attention backends do)."""
-    try:
-        from ..attn.triton_fp8_matmul import fp8_linear as kernel
-    except ImportError:
-        return None
-    return kernel
 
 
 def _float(x: Tensor) -> Tensor:

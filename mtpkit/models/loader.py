@@ -17,8 +17,6 @@ from torch import nn
 
 from ..errors import CheckpointError
 from .fp8 import FP8_HEADER, Dequantized, FP8Format, pair_scales
-from .layers import ColumnParallelLinear, KVParallelLinear, Linear, RowParallelLinear
-from .moe import SparseMoE
 from .weights import WeightSpec, read
 
 
@@ -141,25 +139,16 @@ def fp8_weights(path: Path) -> tuple[FP8Format, dict[str, str]] | None:
 
 
 def keep_fp8_linears(model: nn.Module, fmt: FP8Format, fp8_weights) -> list[str]:
-    """Switch every plain linear layer and MoE block whose checkpoint weights are FP8 (and
-    whose shards are whole scale blocks) to FP8 mode; the others (merged projections, the
-    MoE's router and shared-expert gate/up rows, layers in modules_to_not_convert) are
-    dequantized when loaded. Returns the modules switched."""
+    """Switch every module that holds a checkpoint FP8 weight (the linear family, merged ones
+    included, and the MoE blocks) to FP8 mode: each keeps its FP8 weights with their block
+    scales, whatever its merges and shards (models/fp8_layout.py). Tensors kept unquantized in
+    the file (modules_to_not_convert) stay in the model dtype. Checkpoints with one scale per
+    tensor (weight_block_size null) are dequantized. Returns the modules switched."""
     kept = []
     if fmt.block is None:
         return kept
-    for mname, m in model.named_modules():
-        prefix = model.checkpoint_name(mname)
-        if type(m) in (Linear, ColumnParallelLinear, RowParallelLinear, KVParallelLinear):
-            fp8 = prefix + ".weight" in fp8_weights
-        elif isinstance(m, SparseMoE):  # every expert stored per expert in FP8 (not fused)
-            fp8 = all(f"{prefix}.experts.{e}.{p}_proj.weight" in fp8_weights
-                      for e in range(m.num_experts) for p in ("gate", "up", "down")) and (
-                not m.s or f"{prefix}.shared_expert.down_proj.weight" in fp8_weights)
-        else:
-            continue
-        if fp8 and m.fp8_shardable(fmt.block):
-            m.use_fp8(fmt.block)
+    for mname, m in list(model.named_modules()):
+        if mname and hasattr(m, "use_fp8") and m.use_fp8(fmt.block, model.checkpoint_name(mname), fp8_weights):
             kept.append(mname)
     return kept
 
@@ -168,9 +157,9 @@ def load_checkpoint(model: nn.Module, path: str | Path, dtype: torch.dtype,
                     device: torch.device, keep_fp8: bool | None = None) -> None:
     """Check every name and shape, then load every parameter as `dtype` on `device`.
 
-    FP8 checkpoints: `keep_fp8` (default: on CUDA) keeps the plain linear layers' FP8
-    weights and scales and runs them through the block-scaled FP8 matmul; every other FP8
-    tensor (all of them when keep_fp8 is off, as on CPU) is dequantized to `dtype` here."""
+    FP8 checkpoints: `keep_fp8` (default: on CUDA) keeps every FP8 weight with its block
+    scales and runs the block-scaled FP8 matmul (keep_fp8_linears); with it off (the default
+    elsewhere) every FP8 tensor is dequantized to `dtype` here."""
     path = Path(path)
     index = checkpoint_index(path)
     dtypes: dict[str, str] = {}
@@ -239,14 +228,15 @@ def load_checkpoint(model: nn.Module, path: str | Path, dtype: torch.dtype,
 
 
 def build_model(family, cfg, path: Path, *, ops, tp, dtype: torch.dtype, device: torch.device,
-                load_format: str, seed: int, **kwargs) -> nn.Module:
-    """A model of `family` with its weights: read from the checkpoint at `path`, or random
-    (`load_format="dummy"`, deterministic in `seed`); then laid out for the device."""
+                load_format: str, seed: int, keep_fp8: bool | None = None, **kwargs) -> nn.Module:
+    """A model of `family` with its weights: read from the checkpoint at `path` (FP8 weights
+    kept as load_checkpoint's `keep_fp8` says), or random (`load_format="dummy"`,
+    deterministic in `seed`); then laid out for the device."""
     from .dummy import init_dummy_weights
     model = family.model_class(cfg, ops, tp, **kwargs)
     if load_format == "dummy":
         init_dummy_weights(model, dtype, device, seed)
     else:
-        load_checkpoint(model, path, dtype, device)
+        load_checkpoint(model, path, dtype, device, keep_fp8=keep_fp8)
     model.set_weight_layout(device)
     return model

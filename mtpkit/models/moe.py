@@ -25,6 +25,11 @@ only their share of the routed sum (the router is replicated, so every rank rout
 the shared expert is split like an MLP. One all-reduce sums routed + shared together.
 Whole experts (not slices of each) keep every expert's matmuls full-sized and let each rank
 read only its experts from the checkpoint.
+
+FP8 checkpoints kept in FP8 (use_fp8): w_in's rows as runs of one kind (fp8_layout.FP8Rows:
+the router is usually unquantized, the shared expert's gate and up rows FP8) and, when every
+expert is FP8, the experts as moe_fp8.FP8Experts (their own stacks and paths) instead of w13
+and w_out.
 """
 
 import torch
@@ -33,9 +38,10 @@ from torch import nn
 
 from ..parallel import TP
 from ..shapes import Float, Int, Tensor, checked
-from ..attn.fp8_matmul import dequantize
-from .layers import fp8_linear, linear
+from .fp8_layout import Columns, FP8Rows
+from .layers import linear
 from .moe_experts import moe_experts
+from .moe_fp8 import FP8Experts, MoENames, in_parts
 from .weights import WeightSpec, narrow, read, shard_range
 
 
@@ -57,75 +63,43 @@ class SparseMoE(nn.Module):
         self.w_in = nn.Parameter(torch.empty(num_experts + self.s + 2 * S, hidden), requires_grad=False)
         self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * intermediate, hidden), requires_grad=False)
         self.w_out = nn.Parameter(torch.empty(hidden, S + self.num_local * intermediate), requires_grad=False)
+        self.fp8_in = self.fp8 = None  # FP8 mode: w_in's rows; the experts (use_fp8)
 
-    # ---- FP8 (CUDA): the experts' weights kept as stored, with their block scales ------------
-    fp8_block: tuple[int, int] | None = None
+    # ---- FP8 mode (moe_fp8.py): the checkpoint's FP8 weights kept with their block scales --
+    def moe_names(self, prefix: str, fp8_names) -> MoENames:
+        """Qwen3-Next's checkpoint names (experts one by one, or fused when the checkpoint
+        stores experts.gate_up_proj)."""
+        return MoENames(router=prefix + ".gate.weight", experts=prefix + ".experts",
+                        fused=f"{prefix}.experts.gate_up_proj" in fp8_names,
+                        shared=prefix + ".shared_expert" if self.s else None,
+                        shared_gate=prefix + ".shared_expert_gate.weight" if self.s else None)
 
-    def fp8_shardable(self, block: tuple[int, int]) -> bool:
-        """Whether w13 and w_out can be cut from the checkpoint's blocks: each expert's gate and
-        up rows whole row blocks, and the down weights' columns (shared slice, then every
-        expert's) whole column blocks."""
-        bn, bk = block
-        s0, sl = self.shared_range
-        return self.inter % bn == 0 and self.inter % bk == 0 and s0 % bk == 0 and sl % bk == 0
+    def use_fp8(self, block: tuple[int, int], prefix: str, fp8_names) -> bool:
+        """Keep the FP8 weights of `fp8_names`: w_in's rows (router, shared gate, shared gate
+        and up: runs of one kind, see fp8_layout.FP8Rows) and, when every expert is FP8, the
+        experts and the shared expert's down projection (moe_fp8.FP8Experts). Called before
+        loading; False when nothing is FP8."""
+        names = self.moe_names(prefix, fp8_names)
+        self.fp8_in = FP8Rows.build(in_parts(self, names), None, Columns(self.hidden, 0, self.hidden), block,
+                                    fp8_names)
+        self.fp8 = FP8Experts.build(self, names, block, fp8_names)
+        if self.fp8_in is not None:
+            self.w_in = None
+        if self.fp8 is not None:
+            self.w13 = self.w_out = None
+        return self.fp8_in is not None or self.fp8 is not None
 
-    def use_fp8(self, block: tuple[int, int]) -> None:
-        """Keep w13 and w_out in FP8 with their scales (w13_scale [local, 2I/bn, ceil(H/bk)],
-        w_out_scale [ceil(H/bn), (S + local*I)/bk]); w_in (router, shared gate and up rows)
-        stays dequantized. Called before loading."""
-        bn, bk = block
-        self.fp8_block = block
-        nl, I, H, cols = self.num_local, self.inter, self.hidden, self.w_out.shape[1]
-        fp8 = torch.float8_e4m3fn
-        self.w13 = nn.Parameter(torch.empty(nl, 2 * I, H, dtype=fp8), requires_grad=False)
-        self.w13_scale = nn.Parameter(torch.empty(nl, 2 * I // bn, -(-H // bk)), requires_grad=False)
-        self.w_out = nn.Parameter(torch.empty(H, cols, dtype=fp8), requires_grad=False)
-        self.w_out_scale = nn.Parameter(torch.empty(-(-H // bn), cols // bk), requires_grad=False)
-        self.w13_scale.fp8_scale = self.w_out_scale.fp8_scale = True  # fp32 whatever the model dtype
-
-    def _fp8_specs(self, prefix: str) -> list[WeightSpec]:
-        """w13, w_out and their scales from the raw FP8 pairs (the loader gives a spec that
-        names a weight's scale the raw weight)."""
-        E, I, H, S = self.num_experts, self.inter, self.hidden, self.shared_inter
-        bn, bk = self.fp8_block
-        mine = range(self.first, self.first + self.num_local)
-        ex, sd = prefix + ".experts", f"{prefix}.shared_expert.down_proj.weight"
-        gates = [f"{ex}.{e}.gate_proj.weight" for e in range(E)]
-        ups = [f"{ex}.{e}.up_proj.weight" for e in range(E)]
-        downs = [f"{ex}.{e}.down_proj.weight" for e in range(E)]
-        sc = lambda n: n + "_scale_inv"  # noqa: E731
-        s0, sl = self.shared_range
-        gh, gi = -(-H // bk), I // bk
-        w13_src = {n: (I, H) for n in gates + ups} | {sc(n): (I // bn, gh) for n in gates + ups}
-        out_src = ({n: (H, I) for n in downs} | {sc(n): (-(-H // bn), gi) for n in downs}
-                   | ({sd: (H, S), sc(sd): (-(-H // bn), S // bk)} if self.s else {}))
-
-        def stack13(t, suffix):  # scales as fp32 (ue8m0 checkpoints store float8_e8m0fnu)
-            w = torch.stack([torch.cat([read(t[gates[e] + suffix]), read(t[ups[e] + suffix])]) for e in mine])
-            return w.float() if suffix else w
-
-        def cat_out(t, suffix, div):
-            shared = [narrow(t[sd + suffix], 1, s0 // div, sl // div)] if self.s else []
-            w = torch.cat(shared + [read(t[downs[e] + suffix]) for e in mine], dim=1)
-            return w.float() if suffix else w
-
-        def export_unsupported(_):
-            raise ValueError("export_state_dict of FP8-kept experts is not supported: load with keep_fp8=False")
-
-        return [WeightSpec(self.w13, w13_src, lambda t: stack13(t, ""), export_unsupported, keep_dtype=True),
-                WeightSpec(self.w13_scale, {n: w13_src[n] for n in w13_src if n.endswith("_scale_inv")},
-                           lambda t: stack13(t, "_scale_inv"), export_unsupported, keep_dtype=True),
-                WeightSpec(self.w_out, out_src, lambda t: cat_out(t, "", 1), export_unsupported, keep_dtype=True),
-                WeightSpec(self.w_out_scale, {n: out_src[n] for n in out_src if n.endswith("_scale_inv")},
-                           lambda t: cat_out(t, "_scale_inv", bk), export_unsupported, keep_dtype=True)]
-
-    def _lin(self, x: Tensor, w: Tensor, scale: Tensor | None) -> Tensor:
-        """x @ w^T, through the block-scaled FP8 matmul when the weight is kept in FP8. Plain
-        Tensor: the linear family's shape-polymorphic helper (its callers are typed)."""
-        return linear(x, w) if self.fp8_block is None else fp8_linear(x, w, scale, self.fp8_block)
+    def project_in(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens _"]:
+        """w_in's output: router logits, then the shared expert's gate, gate and up rows."""
+        return linear(x, self.w_in) if self.fp8_in is None else self.fp8_in(x)
 
     # ---- checkpoint layout ----------------------------------------------------------------
     def checkpoint_specs(self, prefix: str) -> list[WeightSpec]:
+        """The plain layout's specs, those of the weights kept in FP8 instead where they are."""
+        plain = [spec for spec in self.plain_specs(prefix) if spec.param is not None]
+        return plain + [spec for m in (self.fp8_in, self.fp8) if m is not None for spec in m.specs()]
+
+    def plain_specs(self, prefix: str) -> list[WeightSpec]:
         E, I, H, S, s = self.num_experts, self.inter, self.hidden, self.shared_inter, self.s
         mine = range(self.first, self.first + self.num_local)
         ex, sh = prefix + ".experts", prefix + ".shared_expert"
@@ -163,8 +137,6 @@ class SparseMoE(nn.Module):
             keys = ([sd] if s else []) + [downs[e] for e in mine]
             return dict(zip(keys, w.split(([sl] if s else []) + [I] * self.num_local, dim=1)))
 
-        if self.fp8_block is not None:
-            return [WeightSpec(self.w_in, src_in, assemble_in, export_in)] + self._fp8_specs(prefix)
         return [WeightSpec(self.w_in, src_in, assemble_in, export_in),
                 WeightSpec(self.w13, {n: (I, H) for n in gates + ups}, assemble_13, export_13),
                 WeightSpec(self.w_out, {n: (H, I) for n in downs} | ({sd: (H, S)} if s else {}),
@@ -172,6 +144,8 @@ class SparseMoE(nn.Module):
 
     # ---- forward ----------------------------------------------------------------------------
     def router_logits(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens experts"]:
+        if self.fp8_in is not None:
+            return self.fp8_in(x)[:, :self.num_experts]
         return linear(x, self.w_in[:self.num_experts])
 
     @checked
@@ -197,7 +171,7 @@ class SparseMoE(nn.Module):
 
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens hidden"]:
-        return self._experts(x, linear(x, self.w_in))           # [T, E + s + 2S]
+        return self._experts(x, self.project_in(x))           # [T, E + s + 2S]
 
     def _experts(self, x: Float[Tensor, "num_tokens hidden"], h: Float[Tensor, "num_tokens _"]
                  ) -> Float[Tensor, "num_tokens hidden"]:
@@ -205,13 +179,13 @@ class SparseMoE(nn.Module):
         A captured or traced graph must not take the grouped path: its shapes follow the routing
         (a CUDA capture would fail; a CPU trace would replay the routing it was traced with)."""
         capturing = torch.jit.is_tracing() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-        T = x.shape[0]
+        T, fp8 = x.shape[0], self.fp8
         if not capturing and T * self.num_experts > self.dense_limit:
-            out = self._grouped(x, h)
+            out = self._grouped(x, h) if fp8 is None else fp8.grouped(self, x, h)
         elif T * self.topk * self.sparse_share <= self.num_local:
-            out = self._sparse(x, h)
+            out = self._sparse(x, h) if fp8 is None else fp8.sparse(self, x, h)
         else:
-            out = self._dense(x, h)
+            out = self._dense(x, h) if fp8 is None else fp8.dense(self, x, h)
         return self.tp.all_reduce(out)
 
     def _shared_act(self, h: Float[Tensor, "num_tokens _"]) -> Float[Tensor, "num_tokens _"]:
@@ -234,13 +208,12 @@ class SparseMoE(nn.Module):
         T, E, nl, I = x.shape[0], self.num_experts, self.num_local, self.inter
         weights, experts = self.route(h[:, :E])
         gate = torch.zeros(T, E, dtype=x.dtype, device=x.device).scatter(1, experts, weights)
-        s13 = None if self.fp8_block is None else self.w13_scale.view(-1, self.w13_scale.shape[-1])
-        gu = self._lin(x, self.w13.view(nl * 2 * I, -1), s13).view(T, nl, 2, I)
+        gu = linear(x, self.w13.view(nl * 2 * I, -1)).view(T, nl, 2, I)
         act = self.act(gu[:, :, 0]) * gu[:, :, 1] * gate[:, self.first:self.first + nl, None]   # [T, nl, I]
         act = act.reshape(T, nl * I)
         if self.s:
             act = torch.cat([self._shared_act(h), act], dim=1)
-        return self._lin(act, self.w_out, getattr(self, "w_out_scale", None))
+        return linear(act, self.w_out)
 
     def _sparse(self, x: Float[Tensor, "num_tokens hidden"], h: Float[Tensor, "num_tokens _"]
                 ) -> Float[Tensor, "num_tokens hidden"]:
@@ -251,24 +224,15 @@ class SparseMoE(nn.Module):
         local, weights = self._local(experts, weights)
         # Expert e's down columns as an [I, H] block (contiguous when w_out is column-major).
         down = self.w_out[:, S:].T.view(self.num_local, I, H)
-        if self.fp8_block is None and self.act is F.silu:   # the backend's experts (fused on Triton)
+        if self.act is F.silu:   # the backend's experts (fused on Triton)
             run = self.ops.moe_experts if self.ops is not None else moe_experts
             out = run(x, self.w13, down, local.view(T, K), weights)
             return out + linear(self._shared_act(h), self.w_out[:, :S]) if self.s else out
         xs = x.repeat_interleave(K, dim=0)[:, :, None]                              # [T*K, H, 1]
-        w13 = self.w13.index_select(0, local)
-        down = down.index_select(0, local)
-        shared_scale = None
-        if self.fp8_block is not None:  # the chosen experts' blocks only, dequantized
-            bn, bk = self.fp8_block
-            w13 = dequantize(w13, self.w13_scale.index_select(0, local), self.fp8_block, x.dtype)
-            ds = self.w_out_scale[:, S // bk:].T.view(self.num_local, I // bk, -1).index_select(0, local)
-            down = dequantize(down, ds, (bk, bn), x.dtype)
-            shared_scale = self.w_out_scale[:, :S // bk]
-        g, u = torch.matmul(w13, xs).chunk(2, dim=1)                                 # [T*K, I, 1]
+        g, u = torch.matmul(self.w13.index_select(0, local), xs).chunk(2, dim=1)    # [T*K, I, 1]
         act = self.act(g) * u * weights.reshape(T * K, 1, 1)
-        out = torch.matmul(act.transpose(1, 2), down).view(T, K, H).sum(1)         # [T, H]
-        return out + self._lin(self._shared_act(h), self.w_out[:, :S], shared_scale) if self.s else out
+        out = torch.matmul(act.transpose(1, 2), down.index_select(0, local)).view(T, K, H).sum(1)   # [T, H]
+        return out + linear(self._shared_act(h), self.w_out[:, :S]) if self.s else out
 
     def _grouped(self, x: Float[Tensor, "num_tokens hidden"], h: Float[Tensor, "num_tokens _"]
                  ) -> Float[Tensor, "num_tokens hidden"]:
@@ -286,16 +250,10 @@ class SparseMoE(nn.Module):
             local = e - self.first
             if c == 0 or not 0 <= local < self.num_local:  # not routed here, or another rank's
                 continue
-            cols = slice(S + local * I, S + (local + 1) * I)
-            s13 = sdown = None
-            if self.fp8_block is not None:
-                bk = self.fp8_block[1]
-                s13, sdown = self.w13_scale[local], self.w_out_scale[:, cols.start // bk:cols.stop // bk]
-            g, u = self._lin(x[tok], self.w13[local], s13).chunk(2, dim=-1)
-            down = self.w_out[:, cols]
-            out.index_add_(0, tok, self._lin(self.act(g) * u * weights.flatten()[idx, None], down, sdown))
-        shared_scale = None if self.fp8_block is None else self.w_out_scale[:, :S // self.fp8_block[1]]
-        return out + self._lin(self._shared_act(h), self.w_out[:, :S], shared_scale) if self.s else out
+            g, u = linear(x[tok], self.w13[local]).chunk(2, dim=-1)
+            down = self.w_out[:, S + local * I:S + (local + 1) * I]
+            out.index_add_(0, tok, linear(self.act(g) * u * weights.flatten()[idx, None], down))
+        return out + linear(self._shared_act(h), self.w_out[:, :S]) if self.s else out
 
 
 def fused_expert_aliases(shapes: dict, num_experts: int, intermediate: int) -> dict:

@@ -62,7 +62,9 @@ def check_tensor_parallel(cfg: Qwen3NextConfig, size: int, with_mtp: bool = Fals
 def _rows(*segments: tuple[int, int, int, int]) -> Tensor:
     """Row indices of strided segments, concatenated: (start, count, length, stride) gives
     rows start + i*stride + (0..length-1) for i in 0..count-1."""
-    return torch.cat([(start + torch.arange(count)[:, None] * stride + torch.arange(length)).flatten()
+    # On the CPU even while a model is built on the meta device: FP8 layouts read the values.
+    return torch.cat([(start + torch.arange(count, device="cpu")[:, None] * stride
+                       + torch.arange(length, device="cpu")).flatten()
                       for start, count, length, stride in segments])
 
 
@@ -98,21 +100,22 @@ class FullAttention(nn.Module):
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"], meta: Metadata,
                 cache: CacheTensors) -> Float[Tensor, "num_tokens hidden"]:
-        q, gate = self._project(x, positions, meta.slot_mapping, cache)
+        q, gate = self._project(x, positions, meta.slot_mappings, cache)
         return self._attend(q, gate, meta, cache)
 
     @checked
     def forward_rows(self, x: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"],
-                     slot_mapping: Int[Tensor, "num_tokens"], cache: CacheTensors, rows: Int[Tensor, "num_reqs_padded"],
+                     slot_mappings: Int[Tensor, "kv_pools num_tokens"], cache: CacheTensors,
+                     rows: Int[Tensor, "num_reqs_padded"],
                      row_meta: UniformMetadata) -> Float[Tensor, "num_reqs_padded hidden"]:
         """Every token's K/V written (at its slot), the output computed only for the tokens
         `rows` (one query each, described by `row_meta`): what the MTP layer needs from its
         first pass."""
-        q, gate = self._project(x, positions, slot_mapping, cache)
+        q, gate = self._project(x, positions, slot_mappings, cache)
         return self._attend(q[rows], gate[rows], row_meta, cache)
 
     def _project(self, x: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"],
-                 slot_mapping: Int[Tensor, "num_tokens"], cache: CacheTensors
+                 slot_mappings: Int[Tensor, "kv_pools num_tokens"], cache: CacheTensors
                  ) -> tuple[Float[Tensor, "num_tokens heads head_dim"], Float[Tensor, "num_tokens _"]]:
         """q (normed, rotated) and the output gate of every token; K/V written to the cache."""
         hq, hkv, hd = self.heads, self.kv_heads, self.hd
@@ -123,21 +126,23 @@ class FullAttention(nn.Module):
         qk = rms_norm_heads(qk_raw, [(self.q_norm, hq), (self.k_norm, hkv)])
         qk = self.rope(positions, qk)
         k_cache, v_cache = cache.kv[self.kv_group][self.kv_index]
-        self.ops.write_kv(qk[:, hq:], v, k_cache, v_cache, slot_mapping)
+        self.ops.write_kv(qk[:, hq:], v, k_cache, v_cache, slot_mappings[cache.pool_index[self.kv_group]])
         return qk[:, :hq], gate
 
     def _attend(self, q: Float[Tensor, "num_queries heads head_dim"], gate: Float[Tensor, "num_queries _"], meta: Metadata,
                 cache: CacheTensors) -> Float[Tensor, "num_queries hidden"]:
         hq, hd = self.heads, self.hd
         k_cache, v_cache = cache.kv[self.kv_group][self.kv_index]
+        pool = cache.pool_index[self.kv_group]
         if isinstance(meta, PrefillMetadata):
             o = self.ops.paged_attention_prefill(q, k_cache, v_cache, meta.query_start_loc,
-                                                 meta.seq_lens, meta.block_table, self.scale)
+                                                 meta.seq_lens, meta.block_tables[pool], self.scale)
         else:
             R, B = meta.num_reqs_padded, meta.q_len
             o = self.ops.paged_attention_verify(q.view(R, B, hq, hd), k_cache, v_cache,
-                                                meta.seq_lens, meta.block_table, self.scale,
-                                                max_seq_len=meta.max_seq_len, kv_slots=meta.kv_slots)
+                                                meta.seq_lens, meta.block_tables[pool], self.scale,
+                                                max_seq_len=meta.max_seq_len,
+                                                kv_slots=None if meta.kv_slots is None else meta.kv_slots[pool])
         o = o.reshape(-1, hq * hd) * torch.sigmoid(gate)
         return self.o_proj(o)
 
@@ -262,10 +267,11 @@ class DecoderLayer(nn.Module):
 
     @checked
     def forward_rows(self, x: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"],
-                     slot_mapping: Int[Tensor, "num_tokens"], cache: CacheTensors, rows: Int[Tensor, "num_reqs_padded"],
+                     slot_mappings: Int[Tensor, "kv_pools num_tokens"], cache: CacheTensors,
+                     rows: Int[Tensor, "num_reqs_padded"],
                      row_meta: UniformMetadata) -> Float[Tensor, "num_reqs_padded hidden"]:
         """A full-attention layer's output at the tokens `rows` only (every token's K/V written)."""
-        h = self.self_attn.forward_rows(self.input_layernorm(x), positions, slot_mapping, cache, rows, row_meta)
+        h = self.self_attn.forward_rows(self.input_layernorm(x), positions, slot_mappings, cache, rows, row_meta)
         x = x[rows] + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -296,12 +302,12 @@ class MTPModule(nn.Module):
 
     @checked
     def forward_rows(self, embeds: Float[Tensor, "num_tokens hidden"], hidden: Float[Tensor, "num_tokens hidden"],
-                     positions: Int[Tensor, "num_tokens"], slot_mapping: Int[Tensor, "num_tokens"],
+                     positions: Int[Tensor, "num_tokens"], slot_mappings: Int[Tensor, "kv_pools num_tokens"],
                      cache: CacheTensors, rows: Int[Tensor, "num_reqs_padded"], row_meta: UniformMetadata
                      ) -> Float[Tensor, "num_reqs_padded hidden"]:
         """The first pass (layer 0): every token's K/V written at its slot, the output only at
         the tokens `rows`."""
-        return self.norm(self.layers[0].forward_rows(self._input(embeds, hidden), positions, slot_mapping, cache,
+        return self.norm(self.layers[0].forward_rows(self._input(embeds, hidden), positions, slot_mappings, cache,
                                                      rows, row_meta))
 
     def _input(self, embeds: Float[Tensor, "num_tokens hidden"], hidden: Float[Tensor, "num_tokens hidden"]
@@ -399,13 +405,13 @@ class Qwen3NextForCausalLM(nn.Module):
 
     @checked
     def mtp_forward_rows(self, token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
-                         hidden: Float[Tensor, "num_tokens hidden"], slot_mapping: Int[Tensor, "num_tokens"],
+                         hidden: Float[Tensor, "num_tokens hidden"], slot_mappings: Int[Tensor, "kv_pools num_tokens"],
                          cache: CacheTensors, rows: Int[Tensor, "num_reqs_padded"], row_meta: UniformMetadata
                          ) -> Float[Tensor, "num_reqs_padded hidden"]:
         """The first MTP pass of a step: K/V of every position into the MTP layer's cache, the
         output only at `rows` (each request's last accepted position; `row_meta` their
         one-query metadata). Equal to mtp_forward(...)[rows], without computing the rest."""
-        return self.mtp.forward_rows(self.embed(token_ids), hidden, positions, slot_mapping, cache, rows, row_meta)
+        return self.mtp.forward_rows(self.embed(token_ids), hidden, positions, slot_mappings, cache, rows, row_meta)
 
     @checked
     def compute_logits(self, hidden: Float[Tensor, "num_logits hidden"]) -> Float[Tensor, "num_logits vocab"]:

@@ -67,6 +67,9 @@ def family_of(raw: dict, where: str) -> ModelFamily:
     type is not a family) its text_config's."""
     _builtin_families()
     mt = raw.get("model_type")
+    if mt == "gemma4_assistant":
+        raise ConfigError(f"{where}: model_type 'gemma4_assistant' is a Gemma 4 assistant, a drafter that reads its "
+                          "target's KV and cannot run alone; pass it as draft_model= with its Gemma 4 target")
     if mt not in FAMILIES and isinstance(raw.get("text_config"), dict):
         mt = raw["text_config"].get("model_type", mt)
     if mt not in FAMILIES:
@@ -85,6 +88,44 @@ def read_config(path: Path):
 
 def builtin_models() -> list[str]:
     return sorted(p.name for p in ASSETS.iterdir() if (p / "config.json").exists()) if ASSETS.exists() else []
+
+
+def describe_builtin(name: str) -> str:
+    """One line for `mtpkit models`: the name, its model type and the drafter it uses."""
+    path = ASSETS / name
+    raw = read_config_json(path)
+    mt = raw.get("model_type") or "?"
+    drafter = checkpoint_default_drafter(path)
+    if mt == "gemma4_assistant":
+        use = "a drafter (draft_model=) for its Gemma 4 target"
+    elif drafter:
+        use = f"drafts with {drafter} by default"
+    elif mt == "qwen3_next":
+        use = "drafts with its MTP head"
+    else:
+        use = "no default drafter"
+    return f"{name:<24} {mt:<18} {use}"
+
+
+DRAFTER_FILE = "mtpkit.json"   # in a checkpoint directory: {"default_drafter": name or path}
+
+
+def checkpoint_default_drafter(path: Path) -> str | None:
+    """The drafter a checkpoint directory names for itself (mtpkit.json's "default_drafter":
+    a built-in name or a directory, relative to the checkpoint's), None when it names none."""
+    f = path / DRAFTER_FILE
+    if not path.is_dir() or not f.exists():
+        return None
+    try:
+        raw = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{f} is not valid JSON: {e}") from None
+    name = raw.get("default_drafter") if isinstance(raw, dict) else None
+    if name is None:
+        return None
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{f}: default_drafter must be a built-in model name or a directory, got {name!r}")
+    return str(path / name) if (path / name).is_dir() else name
 
 
 # What a checkpoint needs from a hub repo: no training states, other formats' weights

@@ -1,15 +1,18 @@
 """Speculative decoding: the drafter interface (drafter.py), its implementations (mtp.py: the
-Qwen3-Next MTP head; draft_model.py: a small model of a supported family) and lossless
-verification (rejection.py).
+Qwen3-Next MTP head; draft_model.py: a small model of a supported family; gemma4_assistant.py:
+Gemma 4's assistant, which reads the target's KV) and lossless verification (rejection.py).
 
-`setup_drafter` picks the drafter from the target's family and an optional draft checkpoint,
-from config.json files alone, before any weight is read.
+`setup_drafter` picks the drafter from the target's family and an optional draft checkpoint
+(its model_type: a `gemma4_assistant` gets its own drafter), else the family's own drafter,
+else the one the checkpoint names in its mtpkit.json, from config.json files alone, before
+any weight is read.
 """
 
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..models.registry import ModelFamily, read_config, resolve_model
+from ..models.registry import (ModelFamily, checkpoint_default_drafter, read_config, read_config_json,
+                               resolve_model)
 from .drafter import DraftSetup
 
 
@@ -19,9 +22,16 @@ def setup_drafter(family: ModelFamily, cfg, path: Path, *, num_spec: int, draft_
         if draft_model is not None:
             raise ConfigError("draft_model= is given but num_spec=0; pass num_spec >= 1 to draft with it")
         return None
+    if draft_model is None and family.default_drafter is None:
+        # A checkpoint may name its drafter (the embedded tiny-gemma4: its trained assistant).
+        draft_model = checkpoint_default_drafter(path)
     if draft_model is not None:
-        from . import draft_model as dm
         draft_path = resolve_model(draft_model)
+        raw = read_config_json(draft_path)
+        if raw.get("model_type") == "gemma4_assistant":   # reads the target's KV: its own drafter
+            from . import gemma4_assistant
+            return gemma4_assistant.setup(raw, draft_path, cfg, num_spec, block_size, load_format)
+        from . import draft_model as dm
         draft_family, draft_cfg = read_config(draft_path)
         return dm.setup(draft_family, draft_cfg, draft_path, cfg, num_spec, block_size)
     if family.default_drafter == "mtp":

@@ -58,10 +58,11 @@ class DraftModelDrafter(Drafter):
         # Pass j feeds the token at position last + 1 + j: first the target's token after the
         # last accepted one, then the previous draft.
         pos = inp.positions[inp.last_idx] + 1
-        kv_slots = proposal_kv_slots(inp.block_table, pos, self.num_spec, self.block_size, inp.max_seq_len)
+        kv_slots = proposal_kv_slots(inp.block_tables, pos, self.num_spec, self.block_size, inp.max_seq_len,
+                                     cache.pool_windows)
         token, drafts = inp.next_tokens[inp.last_idx], []
         for j in range(self.num_spec):
-            meta = draft_pass_metadata(kv_slots, inp.block_table, pos + j)
+            meta = draft_pass_metadata(kv_slots, inp.block_tables, pos + j)
             token = self.model.compute_logits(self.model(token, pos + j, meta, own)).argmax(-1)
             drafts.append(token)
         return torch.stack(drafts, dim=1)

@@ -12,6 +12,8 @@ A drafter declares (`DraftSetup`, from config.json alone):
   name prefix), or none when it reads the target's;
 - `kv_lookahead`: KV positions it writes past the last position the target step wrote (the
   scheduler reserves blocks for them);
+- `kv_read_back`: positions before a sliding window's start (p - W + 1 for a query at p) it
+  still reads (the scheduler keeps those blocks);
 - what the target model must build for it (the MTP head lives in the target checkpoint);
 - its tensor-parallel constraints.
 Drafts are greedy (argmax): the rejection sampler treats them as one-hot proposals.
@@ -23,7 +25,7 @@ from typing import Callable
 import torch
 
 from ..attn.metadata import PrefillMetadata, UniformMetadata
-from ..attn.paged import context_slots
+from ..attn.paged import context_slots, window_start
 from ..engine.cache import CacheTensors
 from ..engine.cache_spec import CacheSpec
 from ..shapes import Float, Int, Tensor, checked, shaped_dataclass
@@ -38,9 +40,9 @@ class DraftInputs:
     token_ids: Int[Tensor, "num_tokens"]                # the tokens the step fed
     next_tokens: Int[Tensor, "num_tokens"]              # the token after each position
     positions: Int[Tensor, "num_tokens"]
-    slot_mapping: Int[Tensor, "num_tokens"]             # the KV slot of every position
+    slot_mappings: Int[Tensor, "kv_pools num_tokens"]   # the KV slot of every position, in each pool
     last_idx: Int[Tensor, "num_reqs_padded"]            # each row's last accepted token (flat index)
-    block_table: Int[Tensor, "num_reqs_padded max_blocks"]
+    block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"]
     max_seq_len: int                                    # longest sequence of the step
     # The step's own metadata, for a drafter that runs a model over the step's tokens. None in
     # a traced prefill proposal (only drafters with `needs_step_metadata` False are traced there).
@@ -72,6 +74,8 @@ class DraftSetup:
     check_tensor_parallel: Callable[[int], None]
     build: Callable[..., Drafter]                     # (target model, load) -> Drafter
     target_kwargs: dict = dataclasses.field(default_factory=dict)   # what the target builds for it
+    # Positions before a sliding window's start it reads (the target's KV, one key further back).
+    kv_read_back: int = 0
     # Checks of the checkpoints' headers (names, no data), run after the config checks.
     check_checkpoint: Callable[[], None] = lambda: None
 
@@ -97,36 +101,45 @@ def verify_outcome(
 
 @checked
 def proposal_kv_slots(
-    block_table: Int[Tensor, "num_reqs_padded max_blocks"],
+    block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"],
     first: Int[Tensor, "num_reqs_padded"],
     num_passes: int,
     block_size: int,
     max_seq_len: int,
-) -> Int[Tensor, "num_reqs_padded ctx_len"]:
-    """The KV slot of every position the one-token passes of a proposal attend to, computed
-    once for all of them: pass j (0-based) queries position first + j, so the context is
-    max_seq_len + num_passes (capped by the block table), and positions past the last one a
-    pass writes read that one's slot (storage the request owns: masked)."""
-    ctx = min(max_seq_len + num_passes, block_table.shape[1] * block_size)
-    return context_slots(block_table, first + (num_passes - 1), block_size, ctx)
+    pool_windows: tuple[int | None, ...],
+) -> Int[Tensor, "kv_pools num_reqs_padded ctx_len"]:
+    """The KV slot of every position the one-token passes of a proposal attend to, in every
+    pool, computed once for all of them: pass j (0-based) queries position first + j, so the
+    context is max_seq_len + num_passes (capped by the block table). Positions past the last
+    one the passes write read that one's slot, and in a sliding pool positions before the
+    first pass's window its first key's (storage the request owns; each pass then clamps
+    what lies past its own position: `draft_pass_metadata`)."""
+    ctx = min(max_seq_len + num_passes, block_tables.shape[2] * block_size)
+    return torch.stack([context_slots(table, first + (num_passes - 1), block_size, ctx, window_start(first, w))
+                        for table, w in zip(block_tables, pool_windows)])
 
 
 @checked
 def draft_pass_metadata(
-    kv_slots: Int[Tensor, "num_reqs_padded ctx_len"],
-    block_table: Int[Tensor, "num_reqs_padded max_blocks"],
+    kv_slots: Int[Tensor, "kv_pools num_reqs_padded ctx_len"],
+    block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"],
     positions: Int[Tensor, "num_reqs_padded"],
 ) -> UniformMetadata:
     """Metadata of a one-token pass: one token per row at `positions` (q_len 1), K/V gathered
-    through the proposal's `kv_slots` (built on the device). Padded rows sit in the null block."""
-    R = positions.shape[0]
+    through the proposal's `kv_slots` (built on the device), positions past the pass's own
+    reading its own slot: the later passes' slots are not written yet and may hold anything
+    (a block that held another request's NaN, say), which 0 * NaN would leak through the
+    masked softmax. Padded rows sit in the null block."""
+    P, R, ctx = kv_slots.shape
+    own = kv_slots.gather(2, positions[None, :, None].expand(P, R, 1))                  # [P, R, 1]
+    past = torch.arange(ctx, device=positions.device)[None, None, :] > positions[None, :, None]
     return UniformMetadata(
         seq_lens=positions + 1,
-        block_table=block_table,
-        slot_mapping=kv_slots.gather(1, positions[:, None])[:, 0],
+        block_tables=block_tables,
+        slot_mappings=own[:, :, 0],
         state_slots=torch.zeros(R, 1, dtype=torch.int64, device=positions.device),
         prev_num_emitted=torch.ones(R, dtype=torch.int64, device=positions.device),
         num_reqs=R, num_reqs_padded=R, q_len=1,
-        max_seq_len=kv_slots.shape[1],
-        kv_slots=kv_slots,
+        max_seq_len=ctx,
+        kv_slots=torch.where(past, own, kv_slots),
     )

@@ -55,17 +55,18 @@ class MTPDrafter(Drafter):
         """Drafts for the rows whose last accepted token sits at inp.hidden[inp.last_idx[i]].
         One token per row and pass after pass 1, so the shapes are fixed by the step's."""
         model, pos = self.model, inp.positions[inp.last_idx]
-        kv_slots = proposal_kv_slots(inp.block_table, pos, self.num_spec, self.block_size, inp.max_seq_len)
+        kv_slots = proposal_kv_slots(inp.block_tables, pos, self.num_spec, self.block_size, inp.max_seq_len,
+                                     cache.pool_windows)
         # Pass 1 writes the MTP layer's K/V at every position of the step; only each row's
         # last accepted one's output is needed (one query per row, like the later passes).
-        first = draft_pass_metadata(kv_slots, inp.block_table, pos)
-        h = model.mtp_forward_rows(inp.next_tokens, inp.positions, inp.hidden, inp.slot_mapping, cache,
+        first = draft_pass_metadata(kv_slots, inp.block_tables, pos)
+        h = model.mtp_forward_rows(inp.next_tokens, inp.positions, inp.hidden, inp.slot_mappings, cache,
                                    inp.last_idx, first)
         draft = model.compute_logits(h).argmax(-1)
         drafts = [draft]
         # Passes 2..num_spec: the previous draft and pass output, one position further each.
         for j in range(1, self.num_spec):
-            meta_j = draft_pass_metadata(kv_slots, inp.block_table, pos + j)
+            meta_j = draft_pass_metadata(kv_slots, inp.block_tables, pos + j)
             h = model.mtp_forward(draft, pos + j, h, meta_j, cache, step=j)
             draft = model.compute_logits(h).argmax(-1)
             drafts.append(draft)
