@@ -133,3 +133,24 @@ def test_the_pair_is_trained_to_agree():
     plain, _ = speculate(tgt, None, prompts, 24, 0)
     out, st = speculate(tgt, asst, prompts, 24, 3)
     assert out == plain and st.mean_acceptance_length > 2.0
+
+
+def test_engine_acceptance_equals_the_simulation():
+    """mtpkit's engine (the target's default drafter, named in mtpkit.json) and the training
+    models' simulation of the loop are two implementations of one computation: on the shipped
+    pair their greedy tokens and acceptance counts agree (tokens = num_spec 0's)."""
+    from training.gemma4_assistant_io import load_assistant
+    from training.gemma4_spec_sim import speculate
+    from training.gemma4_train import load_target
+
+    tgt, _ = load_target(resolve_model(TARGET))
+    asst = load_assistant(resolve_model(ASSISTANT), tgt)
+    prompts = [ids for _, ids in heldout_prompts(4, 96)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(TARGET, num_spec=0, dtype="float32", enforce_eager=True).generate(prompts, params)]
+    for k in (1, 3):
+        llm = LLM(TARGET, num_spec=k, dtype="float32", enforce_eager=True)
+        out = [o.token_ids for o in llm.generate(prompts, params)]
+        sim, st = speculate(tgt, asst, prompts, 24, k)
+        assert out == plain == sim
+        assert llm.stats.verify_steps == st.rounds and llm.stats.num_accepted == st.sampled_accepted

@@ -23,10 +23,9 @@ import dataclasses
 
 import torch
 
-from mtpkit.attn.metadata import PrefillChunk, build_prefill
 from mtpkit.models.gemma4 import Gemma4ForCausalLM
 from training.gemma4_assistant import AssistantModel, TargetKV, round_mask
-from training.gemma4_target import fresh_cache
+from training.gemma4_target import fresh_cache, prefill_step
 from mtpkit.models.gemma4_config import FULL, SLIDING
 
 
@@ -70,9 +69,8 @@ def forward(target: Gemma4ForCausalLM, seqs: list[list[int]]):
     """One prefill of every sequence (request i in block i + 1, blocks as long as the longest):
     (hidden [total, H], logits [total, V], cache, each sequence's first row in them, block size)."""
     L = max(map(len, seqs))
-    chunks = [PrefillChunk(s, 0, [i + 1], []) for i, s in enumerate(seqs)]
-    ids, pos, meta = build_prefill(chunks, block_size=L, max_blocks=1, device=torch.device("cpu"))
     cache = fresh_cache(target, len(seqs), L)
+    ids, pos, meta = prefill_step(cache, seqs)
     hidden = target(ids, pos, meta, cache)
     starts = [0]
     for s in seqs[:-1]:

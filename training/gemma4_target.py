@@ -144,25 +144,27 @@ def export_checkpoint(model: Gemma4ForCausalLM, kwargs: dict, out_dir: Path, dty
 
 
 def fresh_cache(model: Gemma4ForCausalLM, B: int, T: int) -> CacheTensors:
-    """Zeroed KV for B requests of T tokens: one block of T tokens per request (block i+1)."""
-    spec = model.cache_spec(model.cfg, num_spec=0)
-    return allocate_cache(spec, num_blocks=B + 1, num_slots=1, block_size=T, dtype=model.embed_tokens.dtype,
-                          device=torch.device("cpu"))
+    """Zeroed KV for B requests of T tokens: one block of T tokens per request (block i+1) in
+    every KV pool (full attention, the sliding window's)."""
+    return allocate_cache(model.cache_spec(model.cfg, num_spec=0), num_blocks=B + 1, num_slots=1, block_size=T,
+                          dtype=model.embed_tokens.dtype, device=torch.device("cpu"))
 
 
-def prefill_step(B: int, T: int, inputs: Int[Tensor, "num_reqs seq_len"]
+def prefill_step(cache: CacheTensors, inputs: list[list[int]]
                  ) -> tuple[Int[Tensor, "num_tokens"], Int[Tensor, "num_tokens"], PrefillMetadata]:
-    """token_ids, positions, metadata of a prefill of B fresh requests (request i in block i+1)."""
-    chunks = [PrefillChunk(inputs[i].tolist(), 0, [i + 1], []) for i in range(B)]
-    return build_prefill(chunks, block_size=T, max_blocks=1, device=torch.device("cpu"))
+    """token_ids, positions, metadata of a prefill of fresh requests (request i in block i+1
+    of every pool; ragged lengths allowed, each at most the cache's block size)."""
+    pools = len(cache.pool_windows)
+    chunks = [PrefillChunk(ids, 0, [[i + 1]] * pools, []) for i, ids in enumerate(inputs)]
+    return build_prefill(chunks, block_size=cache.block_size, max_blocks=1, device=torch.device("cpu"))
 
 
 def run_target(model: Gemma4ForCausalLM, inputs: Int[Tensor, "num_reqs seq_len"]
                ) -> tuple[Float[Tensor, "num_tokens hidden"], Float[Tensor, "num_tokens vocab"], CacheTensors]:
     """(final normed hidden states, logits, the KV cache it wrote) of B sequences of T tokens."""
     B, T = inputs.shape
-    token_ids, positions, meta = prefill_step(B, T, inputs)
     cache = fresh_cache(model, B, T)
+    token_ids, positions, meta = prefill_step(cache, inputs.tolist())
     hidden = model(token_ids, positions, meta, cache)
     return hidden, model.compute_logits(hidden), cache
 
