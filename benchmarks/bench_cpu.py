@@ -1,5 +1,9 @@
 """CPU benchmark, one process, same prompts: transformers 5.24 greedy generate vs mtpkit
-without MTP vs mtpkit with num_spec 1..4, at batch 1 and 8.
+without drafts vs mtpkit with num_spec 1..k, at batch 1 and 8. For Qwen3-Next (the embedded
+tiny-qwen3-next) the drafter is its MTP head; for Gemma 4 (`--model tiny-gemma4`) it is the
+target's assistant (its default drafter), and transformers also runs assisted generation with
+the same assistant (`assistant_model=`, batch 1 only: transformers does not batch it) for
+every num_assistant_tokens 1..k.
 
 Prints tokens/s and the ratios to transformers and to mtpkit without MTP, and checks that every
 greedy output is identical (prompts in a batch have the same length, so transformers needs no
@@ -12,6 +16,7 @@ warm-up pays for tracing and the timed runs measure the steady state.
 
     python benchmarks/bench_cpu.py                      # the embedded model
     python benchmarks/bench_cpu.py --max-tokens 128 --batches 1 8 --threads 1 --rounds 7
+    python benchmarks/bench_cpu.py --model tiny-gemma4 --max-spec 6 --max-tokens 128 --threads 1 --rounds 5
 
 Every batch size runs the same `--prompts` held-out prompts (8), `batch` at a time: at batch 1
 that is 8 generations one after another.
@@ -32,8 +37,8 @@ from mtpkit.models.registry import resolve_model
 
 def heldout_prompts(batch: int, length: int) -> list[list[int]]:
     """`length` tokens from each of the first `batch` usable held-out stdlib files (the files the
-    embedded model never trained on), starting at the first line break past a third of the file."""
-    from training.train import encode_bytes, heldout_documents
+    embedded models never trained on), starting at the first line break past a third of the file."""
+    from training.corpus import encode_bytes, heldout_documents
 
     prompts = []
     for _, data in heldout_documents():
@@ -46,16 +51,39 @@ def heldout_prompts(batch: int, length: int) -> list[list[int]]:
     raise SystemExit(f"only {len(prompts)} held-out files are long enough for {length}-token prompts")
 
 
-def hf_generate(model, prompts, max_tokens):
+def hf_generate(model, prompts, max_tokens, assistant=None, num_assistant_tokens=None):
     from transformers import GenerationConfig
 
     cfg = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
                            eos_token_id=None, pad_token_id=0)
+    kw = {}
+    if assistant is not None:   # a fixed draft length (transformers' default schedule adapts it)
+        cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule = num_assistant_tokens, "constant"
+        assistant.generation_config.num_assistant_tokens = num_assistant_tokens
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        kw["assistant_model"] = assistant
     model.generation_config.eos_token_id = None
     ids = torch.tensor(prompts)
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg, **kw)
     return [row[len(p):].tolist() for row, p in zip(out, prompts)]
+
+
+def hf_models(path):
+    """The transformers target and (Gemma 4) its assistant, float32, eval mode."""
+    import json
+
+    model_type = json.loads((path / "config.json").read_text())["model_type"]
+    if model_type == "qwen3_next":
+        from transformers import Qwen3NextForCausalLM
+        return Qwen3NextForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), None
+    from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM
+
+    from mtpkit.models.registry import checkpoint_default_drafter
+    target = Gemma4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assistant = Gemma4AssistantForCausalLM.from_pretrained(resolve_model(checkpoint_default_drafter(path)),
+                                                           dtype=torch.float32).eval()
+    return target, assistant
 
 
 def round_robin(fns: dict, rounds: int) -> tuple[dict, dict]:
@@ -92,10 +120,8 @@ def main():
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from transformers import Qwen3NextForCausalLM
-
     path = resolve_model(args.model)
-    hf = Qwen3NextForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf, hf_assistant = hf_models(path)
     engines = {k: LLM(path, num_spec=k, dtype="float32", max_num_seqs=max(args.batches))
                for k in range(args.max_spec + 1)}
     for llm in engines.values():  # long-lived engines: CPU graphs traced on first use (graphs.runner)
@@ -112,6 +138,10 @@ def main():
         groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
         n = len(prompts) * args.max_tokens
         fns = {"transformers": lambda: [t for g in groups for t in hf_generate(hf, g, args.max_tokens)]}
+        if hf_assistant is not None and batch == 1:
+            for k in range(1, args.max_spec + 1):
+                fns[f"hf{k}"] = lambda k=k: [t for g in groups
+                                             for t in hf_generate(hf, g, args.max_tokens, hf_assistant, k)]
         for k, llm in engines.items():
             def run(k=k, llm=llm):
                 llm.stats.__init__(num_spec=k)
@@ -120,14 +150,27 @@ def main():
         times, results = round_robin(fns, args.rounds)
         ref = results["transformers"]
         print(f"\nbatch {batch}:")
-        print(f"  {'engine':<20} {'tok/s':>8} {'x transformers':>14} {'x mtpkit k=0':>12} {'mean acc len':>12} {'same tokens':>11}")
+        print(f"  {'engine':<28} {'tok/s':>8} {'x transformers':>14} {'x mtpkit k=0':>12} {'mean acc len':>12} {'same tokens':>11}")
         for name in fns:
             same = results[name] == ref
             all_same &= same
-            label = name if name == "transformers" else f"mtpkit num_spec={name}"
-            mal = engines[name].stats.mean_acceptance_length if name not in ("transformers", 0) else None
-            print(f"  {label:<20} {n / statistics.median(times[name]):>8.1f} {ratio(times, name, 'transformers'):>14.2f} "
+            if isinstance(name, str):
+                label = name if name == "transformers" else f"transformers assisted k={name[2:]}"
+            else:
+                label = f"mtpkit num_spec={name}"
+            mal = engines[name].stats.mean_acceptance_length if isinstance(name, int) and name else None
+            print(f"  {label:<28} {n / statistics.median(times[name]):>8.1f} {ratio(times, name, 'transformers'):>14.2f} "
                   f"{ratio(times, name, 0):>12.2f} {'' if mal is None else f'{mal:.2f}':>12} {str(same):>11}")
+        hf_best = [k for k in fns if isinstance(k, str) and k.startswith("hf")]
+        ours = [k for k in fns if isinstance(k, int) and k]
+        if ours:
+            best = min(ours, key=lambda k: statistics.median(times[k]))
+            line = (f"  best mtpkit num_spec={best}: {ratio(times, best, 0):.2f}x mtpkit without drafts, "
+                    f"{ratio(times, best, 'transformers'):.2f}x transformers")
+            if hf_best:
+                hb = min(hf_best, key=lambda k: statistics.median(times[k]))
+                line += f", {ratio(times, best, hb):.2f}x transformers' best assisted (k={hb[2:]})"
+            print(line)
     print(f"\nall greedy outputs identical: {all_same}")
 
 

@@ -154,3 +154,37 @@ def test_engine_acceptance_equals_the_simulation():
         sim, st = speculate(tgt, asst, prompts, 24, k)
         assert out == plain == sim
         assert llm.stats.verify_steps == st.rounds and llm.stats.num_accepted == st.sampled_accepted
+
+
+def test_mtpkit_with_the_assistant_equals_transformers_assisted_generation(hf_pair, prompts):
+    """The same checkpoints, the same prompts: mtpkit's greedy output with the assistant (its
+    default drafter, num_spec 3; CPU graphs) equals transformers' assisted greedy output
+    (num_assistant_tokens 3) and mtpkit's own without the assistant; a difference is allowed
+    only at a near-tie of transformers' float64 logits (tie-aware, as the other greedy checks)."""
+    from transformers import Gemma4ForCausalLM
+
+    hft64, hfa = hf_pair
+    hft = Gemma4ForCausalLM.from_pretrained(resolve_model(TARGET), dtype=torch.float32).eval()
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    spec = LLM(TARGET, num_spec=3, dtype="float32", device="cpu")
+    assert spec.draft.name == "gemma4 assistant"
+    plain = LLM(TARGET, num_spec=0, dtype="float32", device="cpu")
+    ours = [o.token_ids for o in spec.generate(prompts, params)]
+    assert ours == [o.token_ids for o in plain.generate(prompts, params)]
+    assert spec.stats.mean_acceptance_length > 2.5
+    for ids, mine in zip(prompts, ours):
+        x = torch.tensor([ids])
+        hf_assisted = hft.generate(x, assistant_model=hfa, max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                   num_assistant_tokens=3)[0, len(ids):].tolist()
+        if mine != hf_assisted:
+            report = O.check_greedy_against_hf(hft64, ids, mine)
+            assert report.ok, str(report)
+
+
+def test_cli_main_job_on_the_gemma4_pair(capsys):
+    from mtpkit import cli
+
+    assert cli.main(["generate", "def fibonacci(n):", "--model", TARGET, "--num-spec", "3", "--max-tokens", "48"]) == 0
+    out = capsys.readouterr().out
+    assert "--- 48 tokens" in out and "num_spec=3: mean acceptance length" in out, out
+    assert "acceptance per position [" in out

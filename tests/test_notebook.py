@@ -242,6 +242,9 @@ def test_quickstart_notebook_view_state():
         tokens = panels[prompt]
         assert [d for _, _, d in tokens] == o["drafts"] and [s for _, s, _ in tokens] == o["steps"]
         assert "".join(t for t, _, _ in tokens) == o["text"] and len(o["token_ids"]) == len(tokens)
+    gemma = next(json.loads(line)["gemma"] for o in outputs for line in o.get("text", "").splitlines()
+                 if line.startswith('{"gemma"'))
+    assert gemma["drafter"] == "gemma4 assistant" and gemma["same_as_plain"] and gemma["mean_acceptance_length"] > 2
     accepted = sum(1 for tokens in panels.values() for _, _, d in tokens if d)
     assert accepted == record["num_accepted"] > 0
     bars = [v for v in values if 'class="mtp-stats"' in v and "data-rate" in v]

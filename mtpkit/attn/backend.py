@@ -30,6 +30,10 @@ class AttnBackend:
     # The routed experts of a fixed-shape MoE step (SparseMoE's sparse path): not attention,
     # but chosen with the same backend (a fused Triton kernel on GPU).
     moe_experts: Callable = moe_ref.moe_experts
+    # The KV slots a uniform step's attention gathers (paged.verify_gather), when the backend's
+    # paged_attention_verify reads them (`kv_slots`, `kv_pos`): the same for every layer of a KV
+    # pool, so a model computes them once per step. None: the kernel walks the block table.
+    verify_gather: Callable | None = None
 
 
 TORCH = AttnBackend(
@@ -41,6 +45,7 @@ TORCH = AttnBackend(
     causal_conv1d_verify=conv.causal_conv1d_verify,
     gated_delta_rule_prefill=gdn.gated_delta_rule_prefill,
     gated_delta_rule_verify=gdn.gated_delta_rule_verify,
+    verify_gather=paged.verify_gather,
 )
 
 _REGISTRY: dict[str, Callable[[], AttnBackend]] = {"torch": lambda: TORCH}

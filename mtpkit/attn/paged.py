@@ -41,17 +41,15 @@ def write_kv(
 
 def _gather_kv(k_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
                v_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
-               block_table: Int[Tensor, "num_reqs max_blocks"], seq_lens: Int[Tensor, "num_reqs"], ctx_len: int,
-               first_pos: Int[Tensor, "num_reqs"] | None = None
+               block_table: Int[Tensor, "num_reqs max_blocks"], seq_lens: Int[Tensor, "num_reqs"], ctx_len: int
                ) -> tuple[Float[Tensor, "num_reqs ctx_len kv_heads head_dim"],
                           Float[Tensor, "num_reqs ctx_len kv_heads head_dim"]]:
     """Dense K and V of positions 0..ctx_len-1 of every request. Positions at or past a
-    request's seq_len read its last real position instead, and positions before `first_pos`
-    (the first key its window reads) read that one (any value would do: attention masks
-    them), so the gather never touches storage the request does not own, which may hold
-    anything (even NaN: 0 * NaN would leak through the softmax product)."""
-    return _gather_slots(k_cache, v_cache, context_slots(block_table, seq_lens - 1, k_cache.shape[1], ctx_len,
-                                                         first_pos))
+    request's seq_len read its last real position instead (any value would do: attention
+    masks them), so the gather never touches storage the request does not own or has not
+    written, which may hold anything (even NaN: 0 * NaN would leak through the softmax
+    product)."""
+    return _gather_slots(k_cache, v_cache, context_slots(block_table, seq_lens - 1, k_cache.shape[1], ctx_len))
 
 
 def context_slots(block_table: Int[Tensor, "num_reqs max_blocks"], last_pos: Int[Tensor, "num_reqs"],
@@ -65,6 +63,23 @@ def context_slots(block_table: Int[Tensor, "num_reqs max_blocks"], last_pos: Int
     if first_pos is not None:
         pos = torch.maximum(pos, first_pos[:, None])
     return block_table.gather(1, pos // block_size) * block_size + pos % block_size
+
+
+def _gather_window(k_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
+                   v_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
+                   block_table: Int[Tensor, "num_reqs max_blocks"], first: Int[Tensor, "num_reqs"],
+                   last: Int[Tensor, "num_reqs"], span: int
+                   ) -> tuple[Float[Tensor, "num_reqs ctx_len kv_heads head_dim"],
+                              Float[Tensor, "num_reqs ctx_len kv_heads head_dim"], Int[Tensor, "num_reqs ctx_len"]]:
+    """K, V and positions of the `span` positions first .. first + span - 1 of every request (a
+    sliding window's keys: the whole context need not be gathered), positions past `last`
+    reading last's slot (masked: they lie after every query)."""
+    k_pos = first[:, None] + torch.arange(span, device=first.device)                    # [R, span]
+    pos = torch.minimum(k_pos, last[:, None])
+    bs = k_cache.shape[1]
+    slots = block_table.gather(1, pos // bs) * bs + pos % bs
+    kk, vv = _gather_slots(k_cache, v_cache, slots)
+    return kk, vv, k_pos
 
 
 def window_start(first_query: Int[Tensor, "num_reqs"], sliding_window: int | None) -> Int[Tensor, "num_reqs"] | None:
@@ -89,16 +104,17 @@ def _gather_slots(k_cache: Float[Tensor, "num_blocks block_size kv_heads head_di
 
 def _attend(q: Float[Tensor, "num_reqs q_len heads head_dim"], k: Float[Tensor, "num_reqs ctx_len kv_heads head_dim"],
             v: Float[Tensor, "num_reqs ctx_len kv_heads head_dim"], q_pos: Int[Tensor, "num_reqs q_len"],
-            scale: float, sliding_window: int | None, softcap: float | None
+            scale: float, sliding_window: int | None, softcap: float | None,
+            k_pos: Int[Tensor, "num_reqs ctx_len"] | None = None
             ) -> Float[Tensor, "num_reqs q_len heads head_dim"]:
-    """q [R, Q, H, D] at positions q_pos [R, Q]; k, v [R, K, KVH, D] at positions 0..K-1
-    (causal: a query at p sees keys 0..p, which are all real). Returns [R, Q, H, D] in q's
-    dtype."""
+    """q [R, Q, H, D] at positions q_pos [R, Q]; k, v [R, K, KVH, D] at positions 0..K-1, or
+    at k_pos [R, K] (a sliding window's gather). Causal: a query at p sees keys up to p, which
+    are all real. Returns [R, Q, H, D] in q's dtype."""
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
     heads, kv_heads = q.shape[2], k.shape[2]
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
-    k_pos = torch.arange(k.shape[1], device=q.device)
+    k_pos = torch.arange(k.shape[1], device=q.device) if k_pos is None else k_pos[:, None, :]
     visible = k_pos <= q_pos[:, :, None]                                                # [R, Q, K]
     if sliding_window is not None:
         visible &= k_pos > q_pos[:, :, None] - sliding_window
@@ -141,10 +157,30 @@ def paged_attention_prefill(
         if end == start:
             continue
         q_pos = torch.arange(ctx - (end - start), ctx, device=q.device)[None]
-        kk, vv = _gather_kv(k_cache, v_cache, block_table[i:i + 1], seq_lens[i:i + 1], ctx,
-                            window_start(q_pos[:, 0], sliding_window))
-        out[start:end] = _attend(q[None, start:end], kk, vv, q_pos, scale, sliding_window, softcap)[0]
+        if sliding_window is None:
+            kk, vv = _gather_kv(k_cache, v_cache, block_table[i:i + 1], seq_lens[i:i + 1], ctx)
+            k_pos = None
+        else:  # the keys from the first query's window on
+            first = max(0, ctx - (end - start) - sliding_window + 1)
+            kk, vv, k_pos = _gather_window(k_cache, v_cache, block_table[i:i + 1], seq_lens.new_tensor([first]),
+                                           seq_lens[i:i + 1] - 1, ctx - first)
+        out[start:end] = _attend(q[None, start:end], kk, vv, q_pos, scale, sliding_window, softcap, k_pos)[0]
     return out
+
+
+def verify_gather(block_table: Int[Tensor, "num_reqs_padded max_blocks"], seq_lens: Int[Tensor, "num_reqs_padded"],
+                  q_len: int, block_size: int, max_seq_len: int, sliding_window: int | None
+                  ) -> tuple[Int[Tensor, "num_reqs_padded ctx_len"], Int[Tensor, "num_reqs_padded ctx_len"] | None]:
+    """The KV slots a uniform step's queries read, and their positions (None: 0..ctx_len-1):
+    full attention every position up to max_seq_len, a sliding window only the W - 1 + q_len
+    positions some query's window holds. The same for every layer of a KV pool in a step, so a
+    model may compute it once and pass it to each layer (`kv_slots`, `kv_pos`)."""
+    if sliding_window is None:
+        return context_slots(block_table, seq_lens - 1, block_size, max_seq_len), None
+    span = min(max_seq_len, sliding_window - 1 + q_len)
+    k_pos = window_start(seq_lens - q_len, sliding_window)[:, None] + torch.arange(span, device=seq_lens.device)
+    pos = torch.minimum(k_pos, (seq_lens - 1)[:, None])
+    return block_table.gather(1, pos // block_size) * block_size + pos % block_size, k_pos
 
 
 @checked
@@ -159,23 +195,24 @@ def paged_attention_verify(
     softcap: float | None = None,
     max_seq_len: int | None = None,
     kv_slots: Int[Tensor, "num_reqs_padded ctx_len"] | None = None,
+    kv_pos: Int[Tensor, "num_reqs_padded ctx_len"] | None = None,
 ) -> Float[Tensor, "num_reqs_padded q_len heads head_dim"]:
     """A uniform verify/decode step, batched over requests: every request's bundle tokens
     are its last positions seq_lens[i] - bundle .. seq_lens[i] - 1. K/V are gathered up to
-    max(seq_lens) and masked per row by seq_len and causality. Padded rows (block-table
-    row of zeros, seq_len = bundle) read the null block and stay finite. Requires
-    seq_lens >= bundle, so every query sees at least itself. `max_seq_len` (an upper bound
-    of seq_lens, known on the host) avoids a device sync; graphs pass the largest possible.
-    `kv_slots` (`context_slots` of the rows, computed once for several calls, clamped from
-    below to the window like `_gather_kv`): K/V are gathered through it instead, over its
-    ctx_len (which must cover seq_lens)."""
+    max(seq_lens) (a sliding window: only the keys some query's window holds,
+    `verify_gather`) and masked per row by seq_len, causality and the window. Padded rows
+    (block-table row of zeros, seq_len = bundle) read the null block and stay finite.
+    Requires seq_lens >= bundle, so every query sees at least itself. `max_seq_len` (an upper
+    bound of seq_lens, known on the host) avoids a device sync; graphs pass the largest
+    possible. `kv_slots` (computed once for several calls: `verify_gather`, or a drafter's
+    `context_slots` clamped from below to the window like `_gather_kv`): K/V are gathered
+    through it instead, the columns at positions `kv_pos` (None: 0..ctx_len-1, which must
+    cover seq_lens)."""
     bundle = q.shape[1]
-    if kv_slots is not None:
-        kk, vv = _gather_slots(k_cache, v_cache, kv_slots)
-    else:
+    if kv_slots is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
-        kk, vv = _gather_kv(k_cache, v_cache, block_table, seq_lens, max_seq_len,
-                            window_start(seq_lens - bundle, sliding_window))
+        kv_slots, kv_pos = verify_gather(block_table, seq_lens, bundle, k_cache.shape[1], max_seq_len, sliding_window)
+    kk, vv = _gather_slots(k_cache, v_cache, kv_slots)
     q_pos = seq_lens[:, None] - bundle + torch.arange(bundle, device=q.device)
-    return _attend(q, kk, vv, q_pos, scale, sliding_window, softcap)
+    return _attend(q, kk, vv, q_pos, scale, sliding_window, softcap, kv_pos)

@@ -338,15 +338,17 @@ def paged_attention_verify(
     softcap: float | None = None,
     max_seq_len: int | None = None,
     kv_slots: Int[Tensor, "num_reqs_padded ctx_len"] | None = None,
+    kv_pos: Int[Tensor, "num_reqs_padded ctx_len"] | None = None,
 ) -> Float[Tensor, "num_reqs_padded q_len heads head_dim"]:
     """Triton version of paged.paged_attention_verify (see the module docstring); no host
     sync. The launch depends on the tensor shapes and `max_seq_len` (a host-side upper bound
     of seq_lens; default: the block table's capacity), so a graph that passes a fixed
-    max_seq_len replays the same launch. `kv_slots` is the torch path's precomputed gather:
-    the kernel reads through the block table, masked at seq_lens, and ignores it."""
+    max_seq_len replays the same launch. `kv_slots` / `kv_pos` are the torch path's
+    precomputed gather: the kernel reads through the block table, masked at seq_lens and the
+    window, and ignores them."""
     if _use_reference(q, k_cache, v_cache):
         return ref.paged_attention_verify(q, k_cache, v_cache, seq_lens, block_table, scale,
-                                          sliding_window, softcap, max_seq_len, kv_slots)
+                                          sliding_window, softcap, max_seq_len, kv_slots, kv_pos)
     R, B, H, D = q.shape
     page, KVH = k_cache.shape[1], k_cache.shape[2]
     if H % KVH:

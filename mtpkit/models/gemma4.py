@@ -77,7 +77,7 @@ class GemmaRMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float, with_scale: bool = True):
         super().__init__()
-        self.eps = eps
+        self.eps, self.normalized_dim = eps, dim
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False) if with_scale else None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -85,6 +85,12 @@ class GemmaRMSNorm(nn.Module):
         w = None if self.weight is None else self.weight.to(xf.dtype)
         y = F.rms_norm(xf, (xf.shape[-1],), w, self.eps)
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def scale(self, dtype: torch.dtype) -> Tensor:
+        """The weight in `dtype` (ones without one)."""
+        if self.weight is None:
+            return torch.ones(self.normalized_dim, dtype=dtype)
+        return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
 
 
 class Gemma4RoPE(PartialRoPE):
@@ -203,29 +209,51 @@ class Attention(nn.Module):
 
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"], meta: Metadata,
-                cache: CacheTensors) -> Float[Tensor, "num_tokens hidden"]:
+                cache: CacheTensors, cos_sin: tuple[Tensor, Tensor] | None = None,
+                kv_gather: tuple[Tensor, Tensor | None] | None = None) -> Float[Tensor, "num_tokens hidden"]:
+        """`cos_sin`: this layer type's RoPE angles at `positions` (self.rope.cos_sin), and
+        `kv_gather`: a uniform step's KV slots and positions in this layer's pool
+        (ops.verify_gather), when the model computed them once for all its layers."""
         hq, hkv, hd = self.heads, self.kv_heads, self.hd
         k_cache, v_cache = cache.kv[self.kv_group][self.kv_index]
         pool = cache.pool_index[self.kv_group]
+        cos, sin = self.rope.cos_sin(positions) if cos_sin is None else cos_sin
         if self.shared:
-            q = self.q_proj(x).view(-1, hq, hd)
+            q = self.rope.rotate(self.q_norm(self.q_proj(x).view(-1, hq, hd)), cos, sin)
         else:
-            h = self.qkv_proj(x)
-            q = h[:, :hq * hd].view(-1, hq, hd)
-            k = h[:, hq * hd:(hq + hkv) * hd].view(-1, hkv, hd)
-            v = k if self.k_eq_v else h[:, (hq + hkv) * hd:].view(-1, hkv, hd)
-            k = self.rope(positions, self.k_norm(k))
-            self.ops.write_kv(k, self.v_norm(v), k_cache, v_cache, meta.slot_mappings[pool])
-        q = self.rope(positions, self.q_norm(q))
+            q, k, v = self._qkv(x, cos, sin)
+            self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mappings[pool])
         if isinstance(meta, PrefillMetadata):
             o = self.ops.paged_attention_prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                                  meta.block_tables[pool], 1.0, sliding_window=self.window)
         else:
+            kv_slots, kv_pos = (None if meta.kv_slots is None else meta.kv_slots[pool], None) if kv_gather is None \
+                else kv_gather
             o = self.ops.paged_attention_verify(q.view(meta.num_reqs_padded, meta.q_len, hq, hd), k_cache, v_cache,
                                                 meta.seq_lens, meta.block_tables[pool], 1.0,
                                                 sliding_window=self.window, max_seq_len=meta.max_seq_len,
-                                                kv_slots=None if meta.kv_slots is None else meta.kv_slots[pool])
+                                                kv_slots=kv_slots, kv_pos=kv_pos)
         return self.o_proj(o.reshape(-1, hq * hd))
+
+
+    @checked
+    def _qkv(self, x: Float[Tensor, "num_tokens hidden"], cos: Float[Tensor, "num_tokens 1 head_dim"],
+             sin: Float[Tensor, "num_tokens 1 head_dim"]) -> tuple[
+            Float[Tensor, "num_tokens heads head_dim"], Float[Tensor, "num_tokens kv_heads head_dim"],
+            Float[Tensor, "num_tokens kv_heads head_dim"]]:
+        """q, k (normed, rotated) and v (normed) of every token. The heads [q | k | v] (with
+        k_eq_v [q | k]: V is the raw k) are normalised in one op, the same arithmetic as q_norm,
+        k_norm and v_norm apply one by one (rms_norm multiplies by its weight last), and q and k
+        are scaled and rotated together: a third of the ops, at decode sizes where each op's
+        dispatch is most of its cost."""
+        hq, hkv, hd = self.heads, self.kv_heads, self.hd
+        heads = self.qkv_proj(x).view(x.shape[0], -1, hd)
+        xf = heads if heads.dtype in (torch.float32, torch.float64) else heads.float()
+        normed = F.rms_norm(xf, (hd,), None, self.q_norm.eps)
+        scale = torch.cat([self.q_norm.scale(xf.dtype).expand(hq, hd), self.k_norm.scale(xf.dtype).expand(hkv, hd)])
+        qk = self.rope.rotate((normed[:, :hq + hkv] * scale).to(x.dtype), cos, sin)
+        v = normed[:, hq:hq + hkv] if self.k_eq_v else normed[:, hq + hkv:]
+        return qk[:, :hq], qk[:, hq:], v.to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -256,9 +284,11 @@ class DecoderLayer(nn.Module):
 
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"], ple: Float[Tensor, "num_tokens ple_dim"] | None,
-                positions: Int[Tensor, "num_tokens"], meta: Metadata, cache: CacheTensors
+                positions: Int[Tensor, "num_tokens"], meta: Metadata, cache: CacheTensors,
+                cos_sin: tuple[Tensor, Tensor] | None = None, kv_gather: tuple | None = None
                 ) -> Float[Tensor, "num_tokens hidden"]:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, meta, cache))
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, meta, cache,
+                                                             cos_sin, kv_gather))
         h = self.mlp(self.pre_feedforward_layernorm(x))
         if self.moe:
             routed = self.experts(self.pre_feedforward_layernorm_2(x), self.router(x))
@@ -381,8 +411,19 @@ class Gemma4ForCausalLM(nn.Module):
         """Final (post-norm) hidden states of every token; writes KV."""
         x = self.embed(token_ids)
         ple = self.per_layer_inputs(token_ids, x) if self.ple_dim else None
+        # What every layer of a kind would compute alike, once per step: the RoPE angles per
+        # (layer type, head_dim); in a uniform step the KV gather per pool (torch backend).
+        angles, gathers = {}, {}
+        gather = self.ops.verify_gather if isinstance(meta, UniformMetadata) and meta.kv_slots is None else None
         for i, layer in enumerate(self.layers):
-            x = layer(x, None if ple is None else ple[:, i], positions, meta, cache)
+            attn = layer.self_attn
+            kind, pool = (self.cfg.layer_types[i], self.cfg.head_dims[i]), cache.pool_index[attn.kv_group]
+            if kind not in angles:
+                angles[kind] = attn.rope.cos_sin(positions)
+            if gather is not None and pool not in gathers:
+                gathers[pool] = gather(meta.block_tables[pool], meta.seq_lens, meta.q_len, cache.block_size,
+                                       meta.max_seq_len, attn.window)
+            x = layer(x, None if ple is None else ple[:, i], positions, meta, cache, angles[kind], gathers.get(pool))
         return self.norm(x)
 
     @checked

@@ -268,8 +268,17 @@ class PartialRoPE(nn.Module):
     @checked
     def forward(self, positions: Int[Tensor, "num_tokens"], x: Float[Tensor, "num_tokens qk_heads head_dim"]
                 ) -> Float[Tensor, "num_tokens qk_heads head_dim"]:
+        return self.rotate(x, *self.cos_sin(positions))
+
+    def cos_sin(self, positions: Int[Tensor, "num_tokens"]) -> tuple[Float[Tensor, "num_tokens 1 head_dim"],
+                                                                      Float[Tensor, "num_tokens 1 head_dim"]]:
+        """The angles' cos and sin at `positions` (fp32): what every layer with these RoPE
+        parameters shares in a step (a model may compute them once for all of them)."""
         angles = positions[:, None].float() * self.inv_freq_full             # [T, head_dim]
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+        return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+    def rotate(self, x: Float[Tensor, "num_tokens qk_heads head_dim"], cos: Float[Tensor, "num_tokens 1 head_dim"],
+               sin: Float[Tensor, "num_tokens 1 head_dim"]) -> Float[Tensor, "num_tokens qk_heads head_dim"]:
         P = self.rotate_half
         if x.dtype != cos.dtype:
             cos, sin, P = cos.to(x.dtype), sin.to(x.dtype), P.to(x.dtype)
