@@ -1,33 +1,31 @@
-"""How far one verify step (plus its MTP proposal) is from the memory-bandwidth bound.
+"""How far one verify step (plus its drafting) is from the memory-bandwidth bound.
 
 For a config (random weights, `load_format="dummy"`: only config.json is needed), a batch size
 and num_spec, it runs the engine to a steady decode step and reports:
 
-- the bytes the step must move, by part (`step_bytes`): the weights every token multiplies, the
-  experts the step's routing actually chose (each touched expert read once, however many tokens
-  chose it), the embedding rows, the lm_head once per pass, the paged KV read and written, the
-  GDN recurrent and conv state read and written, and the same for each MTP pass;
+- the bytes the step must move, by part (`step_bytes`; the byte model, Qwen3-Next's and Gemma
+  4's, is roofline_bytes.py's docstring): the weights every token multiplies, the experts the
+  step's routing actually chose (each touched expert read once, however many tokens chose it),
+  the embedding rows, the lm_head once per pass, the paged KV read and written (a sliding
+  layer only its window), the GDN recurrent and conv state read and written, and the drafting:
+  Qwen3-Next's MTP passes, or Gemma 4's assistant (its weights, its centroid head's rows, its
+  reads of the target's KV) per draft step;
 - the measured step time: CUDA-graph replay on GPU, the traced graph on CPU;
 - the bound (GPU: bytes / the copy bandwidth measured here; CPU: none) and time / bound;
 - a per-part breakdown: torch.profiler times of the step's bodies called directly, each op
-  attributed to the innermost labelled part (attention, GDN, conv, MoE, norms, lm_head, other
-  glue, sampling/rejection). On GPU these are kernel times, on CPU op times.
+  attributed to the innermost labelled part (attention, GDN, conv, MoE, MLP, norms, lm_head,
+  the drafter's parts, other glue, sampling/rejection). On GPU these are kernel times, on CPU
+  op times.
 
-    python benchmarks/roofline.py --layers 4 --batch 1 --num-spec 3           # real shapes
+    python benchmarks/roofline.py --layers 4 --batch 1 --num-spec 3           # Qwen3-Next, real shapes
     python benchmarks/roofline.py --layers 4 --experts 64 --batch 1 --device cpu
+    python benchmarks/roofline.py --model gemma4-26b-a4b --layers 6 --batch 1 --num-spec 3
+    python benchmarks/roofline.py --model gemma4-31b --layers 6 --context 2048 --num-spec 0
 
-The byte model (what `step_bytes` counts), batch b, bundle B = num_spec + 1, context c tokens
-already cached per request, T = b * B:
-- target pass: non-expert weights once; per MoE layer the distinct experts chosen by the T real
-  tokens (gate/up [2I, H] + down [H, I] each); T embedding rows; the lm_head once;
-  per full-attention layer KV read for c + B positions and written for B, per request; per GDN
-  layer the recurrent state read from one slot and written to B slots, the conv window read
-  (W - 1 columns) and its slot written (W - 1 + num_spec columns), per request;
-- MTP passes j = 1..num_spec: the MTP layer's non-expert weights, the experts its b rows chose,
-  the lm_head; embedding rows and KV written: T in pass 1 (it writes every position of the
-  step), b after; KV read c + j positions per request (the last accepted token at position c:
-  no draft accepted, what random weights give).
-Padded rows are left out: they are work the step does, not bytes it must move.
+`--model gemma4-31b` / `gemma4-26b-a4b`: the real layer shapes (roofline_configs.py) with
+`--layers` layers in the 5:1 sliding:full pattern (the last full); with num_spec > 0 the
+drafter is a random-weight assistant of assumed sizes (roofline_configs.ASSISTANT) or the
+config.json given by --assistant-config. `--vocab` shrinks the vocabulary (CPU runs).
 """
 
 import argparse
@@ -48,119 +46,18 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from mtpkit.models.moe import SparseMoE  # noqa: E402
+from roofline_bytes import DRAFT_PREFIXES, Step, record_routing, step_bytes  # noqa: E402,F401
+from roofline_configs import MODELS, assistant_config, gemma4_config, qwen3_next_config  # noqa: E402
 
-
-def real_config(layers: int, experts: int = 512) -> dict:
-    # Qwen/Qwen3-Next-80B-A3B-Instruct with fewer layers (3:1 GDN : full attention).
-    return dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048,
-                num_hidden_layers=layers, full_attention_interval=4, num_attention_heads=16,
-                num_key_value_heads=2, head_dim=256, intermediate_size=5120,
-                linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-                linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=experts,
-                num_experts_per_tok=10, moe_intermediate_size=512,
-                shared_expert_intermediate_size=512, norm_topk_prob=True, decoder_sparse_step=1,
-                mlp_only_layers=[], rms_norm_eps=1e-6, max_position_embeddings=262144,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-                tie_word_embeddings=False, eos_token_id=151645, dtype="bfloat16")
-
-
-# ---- routing ---------------------------------------------------------------------------------
-@contextlib.contextmanager
-def record_routing(model, num_reqs: int, num_reqs_padded: int):
-    """Records, per MoE module name, one tensor of chosen expert ids per call (its real rows:
-    a call over num_reqs_padded * k rows keeps the first num_reqs * k). Patches `route` on
-    the instances, so every MoE path (sparse, dense, grouped) is seen."""
-    calls: dict[str, list[torch.Tensor]] = defaultdict(list)
-    patched = []
-    for name, m in model.named_modules():
-        if isinstance(m, SparseMoE):
-            def route(logits, _orig=m.route, _name=name):
-                weights, experts = _orig(logits)
-                per_row = experts.shape[0] // num_reqs_padded
-                calls[_name].append(experts[:per_row * num_reqs].detach().cpu())
-                return weights, experts
-            m.route = route
-            patched.append(m)
-    try:
-        yield calls
-    finally:
-        for m in patched:
-            del m.route
-
-
-# ---- bytes -----------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Step:
-    batch: int
-    num_spec: int
-    context: int          # tokens cached per request before the step
-
-
-def _moe_split(model) -> dict[str, tuple[int, int]]:
-    """MoE module name -> (bytes of one expert, bytes of its non-expert weights)."""
-    out = {}
-    for name, m in model.named_modules():
-        if isinstance(m, SparseMoE):
-            isz, H, I, S = m.w13.element_size(), m.hidden, m.inter, m.shared_range[1]
-            out[name] = (3 * I * H * isz, (m.w_in.numel() + H * S) * isz)
-    return out
-
-
-def step_bytes(model, cfg, step: Step, routing: dict[str, list[torch.Tensor]]) -> dict[str, int]:
-    """Bytes one verify step and its num_spec MTP passes must move, by part (the byte model in
-    this module's docstring). `routing`: per MoE module name, the expert ids of each call, in
-    call order (the target layers once each; the MTP layer once per pass)."""
-    b, k, c = step.batch, step.num_spec, step.context
-    B, T = k + 1, step.batch * (k + 1)
-    H = cfg.hidden_size
-    isz = model.embed_tokens.element_size()
-    moe = _moe_split(model)
-    lm_head = (model.embed_tokens if model.lm_head is None else model.lm_head).numel() * isz
-    out: dict[str, int] = defaultdict(int)
-
-    skip = {"embed_tokens", "lm_head"}
-    for name, p in model.named_parameters():
-        owner = name.rsplit(".", 1)[0]
-        if name in skip or owner in moe:
-            continue
-        part = "mtp weights" if name.startswith("mtp.") else "weights"
-        out[part] += p.numel() * p.element_size() * (k if part == "mtp weights" else 1)
-    for name, (per_expert, dense) in moe.items():
-        calls = routing.get(name, [])
-        mtp = name.startswith("mtp.")
-        passes = k if mtp else 1
-        if len(calls) < passes:
-            raise ValueError(f"routing for {name}: {len(calls)} calls recorded, the step makes {passes}")
-        out["mtp weights" if mtp else "weights"] += dense * passes
-        for experts in calls[:passes]:
-            out["mtp experts" if mtp else "experts"] += int(torch.unique(experts).numel()) * per_expert
-    out["embedding"] += T * H * isz
-    out["lm_head"] += lm_head
-
-    kv_token = 2 * cfg.num_key_value_heads * cfg.head_dim * isz       # K and V of one position, one layer
-    n_full, n_gdn = len(cfg.full_layers), len(cfg.linear_layers)
-    out["kv read"] += n_full * b * (c + B) * kv_token
-    out["kv written"] += n_full * T * kv_token
-    state_isz = 8 if model.embed_tokens.dtype == torch.float64 else 4   # the recurrent state is fp32 (fp64 in fp64)
-    ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * state_isz
-    W, conv_dim = cfg.linear_conv_kernel_dim, cfg.conv_dim
-    out["gdn state read"] += n_gdn * b * ssm
-    out["gdn state written"] += n_gdn * T * ssm
-    out["conv state read"] += n_gdn * b * conv_dim * (W - 1) * isz
-    out["conv state written"] += n_gdn * b * conv_dim * (W - 1 + k) * isz
-
-    if k:
-        out["mtp embedding"] += (T + (k - 1) * b) * H * isz
-        out["mtp lm_head"] += k * lm_head
-        out["mtp kv written"] += (T + (k - 1) * b) * kv_token
-        out["mtp kv read"] += sum(b * (c + j) * kv_token for j in range(1, k + 1))
-    return dict(out)
+real_config = qwen3_next_config
 
 
 # ---- the engine at a steady decode step ------------------------------------------------------
-def build(path: Path, args, device: str):
+def build(path: Path, args, device: str, draft_model: Path | None = None):
+    """The engine on random weights; `draft_model`: the drafter's checkpoint directory (the
+    Gemma 4 assistant), None for the family's own (Qwen3-Next's MTP head) or none."""
     from mtpkit import LLM
-    return LLM(str(path), num_spec=args.num_spec, dtype=args.dtype, max_num_seqs=args.batch,
+    return LLM(str(path), num_spec=args.num_spec, draft_model=draft_model, dtype=args.dtype, max_num_seqs=args.batch,
                max_model_len=args.context + 64, load_format="dummy", seed=0, device=device,
                graph_sizes=[args.batch], num_threads=args.threads)
 
@@ -246,15 +143,31 @@ def copy_bandwidth(device: torch.device) -> float | None:
 
 
 # ---- breakdown -------------------------------------------------------------------------------
-PARTS = ("attention", "GDN", "conv", "MoE", "norms", "lm_head", "sampling/rejection")
+PARTS = ("attention", "GDN", "conv", "MoE", "MLP", "norms", "per-layer embeddings", "lm_head",
+         "drafter attention", "drafter MLP", "drafter norms", "drafter lm_head", "drafter (other)",
+         "sampling/rejection")
 OTHER = "other (embedding, residuals, glue)"
 
 
-@contextlib.contextmanager
-def labelled(model):
-    """Every module and op of a part runs inside record_function("part:<name>")."""
+def _kinds() -> dict[type, str]:
+    """Module class -> part, the first match wins (subclasses before their bases)."""
+    from mtpkit.models.gemma4 import Attention, GemmaRMSNorm, Router
+    from mtpkit.models.gemma4_assistant import MaskedEmbedding, QOnlyAttention
     from mtpkit.models.layers import MLP, GatedRMSNorm, RMSNorm
     from mtpkit.models.qwen3_next import FullAttention, GatedDeltaNet
+    return {FullAttention: "attention", Attention: "attention", QOnlyAttention: "attention",
+            GatedDeltaNet: "GDN", SparseMoE: "MoE", Router: "MoE", MLP: "MLP",
+            RMSNorm: "norms", GatedRMSNorm: "norms", GemmaRMSNorm: "norms", MaskedEmbedding: "lm_head"}
+
+
+@contextlib.contextmanager
+def labelled(model, drafter=None):
+    """Every module and op of a part runs inside record_function("part:<name>"): the model's
+    modules by kind (a Qwen3-Next MTP layer's too), a separate drafter module's (the Gemma 4
+    assistant's) as "drafter <kind>", and the drafter's proposal as a whole as
+    "drafter (other)" (what its labelled modules leave: projections, embedding rows, the KV
+    slots it gathers, a full-vocabulary head)."""
+    from mtpkit.models.qwen3_next import GatedDeltaNet
 
     def wrap(fn, label):
         def inner(*a, **kw):
@@ -262,20 +175,28 @@ def labelled(model):
                 return fn(*a, **kw)
         return inner
 
-    kinds = {FullAttention: "attention", GatedDeltaNet: "GDN", SparseMoE: "MoE", MLP: "MoE",
-             RMSNorm: "norms", GatedRMSNorm: "norms"}
-    undo = []
-    for m in model.modules():
-        label = next((v for t, v in kinds.items() if isinstance(m, t)), None)
-        if label:
-            m.forward = wrap(m.forward, label)
-            undo.append((m, "forward"))
-        if isinstance(m, GatedDeltaNet):
-            ops = m.ops
-            m.ops = dataclasses.replace(ops, causal_conv1d_verify=wrap(ops.causal_conv1d_verify, "conv"))
-            undo.append((m, "ops", ops))
-    model.compute_logits = wrap(model.compute_logits, "lm_head")
-    undo.append((model, "compute_logits"))
+    kinds, undo = _kinds(), []
+
+    def patch(obj, attr, label):
+        setattr(obj, attr, wrap(getattr(obj, attr), label))
+        undo.append((obj, attr))
+
+    assistant = getattr(drafter, "assistant", None)
+    for root, prefix in ((model, ""), (assistant, "drafter ")):
+        for m in (root.modules() if root is not None else ()):
+            label = next((v for t, v in kinds.items() if isinstance(m, t)), None)
+            if label:
+                # A centroid head is called through argmax, not forward.
+                patch(m, "argmax" if label == "lm_head" else "forward", prefix + label)
+            if isinstance(m, GatedDeltaNet):
+                ops = m.ops
+                m.ops = dataclasses.replace(ops, causal_conv1d_verify=wrap(ops.causal_conv1d_verify, "conv"))
+                undo.append((m, "ops", ops))
+    patch(model, "compute_logits", "lm_head")
+    if getattr(model, "ple_dim", 0):
+        patch(model, "per_layer_inputs", "per-layer embeddings")
+    if drafter is not None:
+        patch(drafter, "propose", "drafter (other)")
     try:
         yield wrap
     finally:
@@ -309,7 +230,7 @@ def breakdown(llm, g, batch: int, reps: int = 3) -> dict[str, float]:
         rejection_sample(logits, drafts, limit, sampling, [0] * batch, [1] * batch)
 
     try:
-        with labelled(model) as wrap:
+        with labelled(model, llm.drafter) as wrap:
             steps = [verify, wrap(sample, "sampling/rejection")] + ([propose] if propose else [])
             for f in steps:  # warm-up
                 f()
@@ -337,11 +258,32 @@ def breakdown(llm, g, batch: int, reps: int = 3) -> dict[str, float]:
 
 
 # ---- main ------------------------------------------------------------------------------------
+def configs(args) -> tuple[dict, dict | None]:
+    """(target config.json, the assistant's config.json or None) for the arguments."""
+    cfg = json.loads(args.config.read_text()) if args.config else (
+        qwen3_next_config(args.layers, args.experts) if args.model == "qwen3-next"
+        else gemma4_config(args.model, args.layers, args.vocab))
+    if args.vocab and args.config is None and args.model == "qwen3-next":
+        cfg["vocab_size"] = args.vocab
+    gemma = cfg.get("model_type") in ("gemma4", "gemma4_text")
+    if not gemma or args.num_spec == 0:
+        if args.assistant_config:
+            raise SystemExit("--assistant-config drafts for a Gemma 4 target at num_spec > 0")
+        return cfg, None
+    if args.assistant_config:
+        return cfg, json.loads(args.assistant_config.read_text())
+    return cfg, assistant_config(cfg.get("text_config", cfg))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=512)
+    ap.add_argument("--model", choices=MODELS, default="qwen3-next", help="real layer shapes of this model")
+    ap.add_argument("--layers", type=int, default=None, help="default: 4 (Qwen3-Next), 6 (Gemma 4: 5 sliding, 1 full)")
+    ap.add_argument("--experts", type=int, default=512, help="Qwen3-Next's expert count")
+    ap.add_argument("--vocab", type=int, default=None, help="a smaller vocabulary than the real one (CPU runs)")
     ap.add_argument("--config", type=Path, help="a config.json to use instead of the real shapes")
+    ap.add_argument("--assistant-config", type=Path, help="Gemma 4: the assistant's config.json (default: "
+                    "roofline_configs.ASSISTANT's assumed sizes)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--num-spec", type=int, default=0)
     ap.add_argument("--context", type=int, default=64, help="prompt tokens per request")
@@ -349,24 +291,33 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, help="write this run's result")
+    ap.add_argument("--jsonl", type=Path, help="append this run's result as one line (one file for many runs)")
     args = ap.parse_args(argv)
+    args.layers = args.layers or (4 if args.model == "qwen3-next" else 6)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    cfg = json.loads(args.config.read_text()) if args.config else real_config(args.layers, args.experts)
+    cfg, draft_cfg = configs(args)
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp)
+        path, draft = Path(tmp) / "target", None
+        path.mkdir()
         (path / "config.json").write_text(json.dumps(cfg))
-        llm = build(path, args, device.type)
+        if draft_cfg is not None:
+            draft = Path(tmp) / "assistant"
+            draft.mkdir()
+            (draft / "config.json").write_text(json.dumps(draft_cfg))
+        llm = build(path, args, device.type, draft)
+    assistant = getattr(llm.drafter, "assistant", None)
     g = steady_step(llm, args)
     context = max(g.buf.seq_lens[:args.batch].tolist()) - g.bundle   # tokens cached before the step
     verify, propose, _ = body_calls(g, args.batch)
-    with torch.inference_mode(), record_routing(llm.model, args.batch, g._last.num_reqs_padded) as routing:
+    with torch.inference_mode(), record_routing(llm.model, args.batch, g._last.num_reqs_padded,
+                                                assistant) as routing:
         verify()
         if propose:
             propose()
-    nbytes = step_bytes(llm.model, llm.model.cfg, Step(args.batch, args.num_spec, context), routing)
+    nbytes = step_bytes(llm.model, llm.model.cfg, Step(args.batch, args.num_spec, context), routing, assistant)
     total = sum(nbytes.values())
 
     with torch.inference_mode():
@@ -377,20 +328,23 @@ def main(argv=None) -> None:
     parts = breakdown(llm, g, args.batch)
 
     kind = "CUDA graph" if g.cuda else "traced graph"
-    print(f"== {cfg.get('num_hidden_layers')} layers, {cfg.get('num_experts')} experts, {args.dtype}, "
-          f"batch {args.batch}, num_spec {args.num_spec}, context {context} ({device}) ==")
+    mcfg = llm.model.cfg
+    name = args.config.name if args.config else args.model
+    drafter = "no drafter" if not args.num_spec else "assistant" if assistant is not None else "MTP"
+    print(f"== {name}: {mcfg.num_hidden_layers} layers, {getattr(mcfg, 'num_experts', 0)} experts, {args.dtype}, "
+          f"batch {args.batch}, num_spec {args.num_spec} ({drafter}), context {context} ({device}) ==")
     print("bytes one step must move:")
     for k, v in sorted(nbytes.items(), key=lambda kv: -kv[1]):
-        print(f"  {k:<20} {v / 1e6:12.3f} MB")
-    print(f"  {'total':<20} {total / 1e6:12.3f} MB")
+        print(f"  {k:<22} {v / 1e6:12.3f} MB")
+    print(f"  {'total':<22} {total / 1e6:12.3f} MB")
     print(f"step time ({kind} replay, median of {args.reps}): verify {verify_ms:.3f} ms, "
           f"verify + proposal {step_ms:.3f} ms")
-    result = dict(config=cfg, batch=args.batch, num_spec=args.num_spec, context=context, dtype=args.dtype,
-                  device=str(device), bytes=nbytes, total_bytes=total, verify_ms=verify_ms, step_ms=step_ms,
-                  breakdown_ms=parts)
+    result = dict(model=name, config=cfg, assistant_config=draft_cfg, batch=args.batch, num_spec=args.num_spec,
+                  context=context, dtype=args.dtype, device=str(device), bytes=nbytes, total_bytes=total,
+                  verify_ms=verify_ms, step_ms=step_ms, breakdown_ms=parts)
     if bw:
         bound_ms = total / (bw * 1e9) * 1e3
-        verify_bytes = sum(v for k, v in nbytes.items() if not k.startswith("mtp "))
+        verify_bytes = sum(v for k, v in nbytes.items() if not k.startswith(DRAFT_PREFIXES))
         verify_bound_ms = verify_bytes / (bw * 1e9) * 1e3
         print(f"copy bandwidth {bw:.0f} GB/s; verify: bound {verify_bound_ms:.3f} ms, time / bound "
               f"{verify_ms / verify_bound_ms:.2f}x; verify + proposal: bound {bound_ms:.3f} ms, time / bound "
@@ -405,6 +359,9 @@ def main(argv=None) -> None:
         print(f"  {k:<36} {v:9.3f}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+    if args.jsonl:
+        with args.jsonl.open("a") as f:
+            f.write(json.dumps(result) + "\n")
 
 
 if __name__ == "__main__":
