@@ -1,54 +1,110 @@
 #!/bin/bash
-# Every GPU check in one command, for a session lent a device (issues 4, 5, 18 and 19):
-# the suite's CUDA tests (the Triton kernel tests natively on the GPU, the FP8 ones included,
-# the sm_90 compile test, the roofline byte counts), the kernel timings (gpu_kernels.py), the
-# graph path (gpu_check.py parts 1-4), FP8 checkpoints kept in FP8 with the
-# gpu_memory_utilization profile run (gpu_check.py part 5 = gpu_fp8.py; FP8_ARGS, e.g.
-# "--fp8-models qwen3-next --fp8-experts 32") and the roofline of a verify step at real shapes
-# (roofline.py, batch 1 and 8, num_spec 0 and 3). Every log goes to one folder: $OUT (the device
-# tool's folder) or ./gpu-logs. Missing Python packages travel as wheels in .whl/ (beartype is
-# not on the device image). Each part runs under its own time limit (T_TESTS, T_KERNELS,
-# T_CHECK, T_FP8 seconds, T_ROOF per roofline run; 0 skips that part): pick the parts that fit
-# the session's device time (T_FP8=150 T_TESTS=150 with the others 0 checks issue 19 alone).
+# Every GPU check in one command that fits one device call (issues 4, 5, 18 and 19). A device
+# session has 15 minutes of device time (machine start included) and one command may run 600 s,
+# so the parts share one budget, T_TOTAL seconds (default 540) from the script's start, and run
+# in priority order:
+#   tests       the suite's CUDA tests: the Triton kernel and fused-MoE tests natively on the GPU,
+#               the sm_90 compile test, the roofline byte counts (T_TESTS)
+#   check       gpu_check.py parts 1-4: graphs vs eager at real shapes, the embedded model,
+#               decode latency, Gemma 4 at real widths (T_CHECK; CHECK_ARGS)
+#   roof-qwen   roofline.py, Qwen3-Next real shapes (ROOF_LAYERS layers), batch 1 and 8,
+#               num_spec 0 and 3 (T_ROOF per run)
+#   roof-gemma  roofline.py, Gemma 4 31B and 26B-A4B (ROOF_GEMMA_LAYERS layers, 5:1 sliding:full,
+#               context ROOF_GEMMA_CONTEXT), batch 1, num_spec 0 and 3 with the assistant (T_ROOF)
+#   kernels     gpu_kernels.py timings (the kernel tests ran under tests) (T_KERNELS)
+#   fp8         gpu_check.py part 5 = gpu_fp8.py, FP8 kept in FP8 (T_FP8; FP8_ARGS)
+# Each part (each roofline run) runs under min(its own limit, the time left); a part is skipped,
+# and says so, when less than its minimum is left (a limit of 0 disables it). PARTS="kernels fp8"
+# runs only the parts named (e.g. a second call for what the first skipped). DRY_RUN=1 prints
+# the plan without running anything, as if every part took its whole cap (the worst case).
+# At most 8 files come back from the device, so the logs are combined, 7 files in $OUT (the
+# device tool's folder, else ./gpu-logs): summary.log (this plan: caps, times, exit codes,
+# skipped parts), tests.log, gpu_check.log (parts 1-4, then part 5), roofline.log (every run),
+# roofline.jsonl (every run's result, one line each), gpu_kernels.log, kernels.json.
+# Missing Python packages travel as wheels in .whl/ (beartype is not on the device image).
 #   bash benchmarks/gpu_all.sh
+#   DRY_RUN=1 bash benchmarks/gpu_all.sh
 set -u
+t0=$(date +%s)
 OUT=${OUT:-gpu-logs}
+T_TOTAL=${T_TOTAL:-540}
+DRY_RUN=${DRY_RUN:-0}
+PARTS=${PARTS:-tests check roof-qwen roof-gemma kernels fp8}
+T_TESTS=${T_TESTS:-120} T_CHECK=${T_CHECK:-150} T_ROOF=${T_ROOF:-45} T_KERNELS=${T_KERNELS:-100} T_FP8=${T_FP8:-150}
+ROOF_LAYERS=${ROOF_LAYERS:-4} ROOF_GEMMA_LAYERS=${ROOF_GEMMA_LAYERS:-6} ROOF_GEMMA_CONTEXT=${ROOF_GEMMA_CONTEXT:-2048}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site
+SUMMARY="$OUT/summary.log"
+: > "$SUMMARY"
+simulated=0   # DRY_RUN: the seconds the parts planned so far would take at their caps
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+left() { echo $(( T_TOTAL - ($(date +%s) - t0) - simulated )); }
+wanted() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+# run_part NAME LIMIT MIN LOG CMD...: CMD under min(LIMIT, time left), its output appended to LOG.
+run_part() {
+    local name=$1 limit=$2 min=$3 log=$4; shift 4
+    local rem cap start rc
+    rem=$(left)
+    if [ "$limit" = 0 ]; then note "[skip $name: its limit is 0]"; return; fi
+    cap=$(( limit < rem ? limit : rem ))
+    if [ "$cap" -lt "$min" ]; then note "[skip $name: ${rem} s left of $T_TOTAL, it needs ${min} s]"; return; fi
+    if [ "$DRY_RUN" != 0 ]; then
+        note "[plan $name: cap ${cap} s -> ${log#$OUT/}] $*"
+        simulated=$(( simulated + cap ))
+        return
+    fi
+    start=$(date +%s)
+    echo "== $name (cap ${cap} s): $*" >> "$log"
+    timeout -k 5 "$cap" "$@" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}
+    note "[$name: $(( $(date +%s) - start )) s of cap ${cap} s, exit $rc$( [ "$rc" = 124 ] && echo ', timed out')]"
+}
+
+note "gpu_all.sh: budget $T_TOTAL s, parts: $PARTS$( [ "$DRY_RUN" != 0 ] && echo ' (dry run: nothing runs)')"
+if [ "$DRY_RUN" = 0 ]; then
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+            && export PYTHONPATH=/tmp/site
+    fi
+    export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+    nvidia-smi -L 2>&1 | tee -a "$SUMMARY"
+    python3 -c "import torch, triton, jaxtyping, beartype; print('torch', torch.__version__, 'triton', triton.__version__, 'jaxtyping', jaxtyping.__version__, 'beartype', beartype.__version__)" 2>&1 | tee -a "$SUMMARY"
 fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-nvidia-smi -L
-python3 -c "import torch, triton, jaxtyping, beartype; print('torch', torch.__version__, 'triton', triton.__version__, 'jaxtyping', jaxtyping.__version__, 'beartype', beartype.__version__)"
-start=$(date +%s)
-if [ "${T_TESTS:-150}" != 0 ]; then
-    MTPKIT_TRITON_TEST_DEVICE=cuda timeout "${T_TESTS:-150}" python3 -m pytest -q -p no:cacheprovider \
-        tests/test_triton_kernels.py tests/test_triton_compile.py tests/test_roofline.py 2>&1 | tee "$OUT/tests.log"
-    echo "[tests: $(( $(date +%s) - start )) s]"
+XDIST=""
+if [ "$DRY_RUN" = 0 ] && python3 -c "import xdist" 2>/dev/null; then XDIST="-n 8"; fi   # ~150 kernel compiles
+
+if wanted tests; then
+    MTPKIT_TRITON_TEST_DEVICE=cuda run_part tests "$T_TESTS" 60 "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider $XDIST \
+        tests/test_triton_kernels.py tests/test_triton_moe.py tests/test_triton_compile.py tests/test_roofline.py
 fi
-start=$(date +%s)
-if [ "${T_KERNELS:-150}" != 0 ]; then  # the kernel tests ran above: timings only
-    timeout "${T_KERNELS:-150}" python3 benchmarks/gpu_kernels.py --no-tests --json "$OUT/kernels.json" 2>&1 | tee "$OUT/gpu_kernels.log"
-    echo "[gpu_kernels: $(( $(date +%s) - start )) s]"
+if wanted check; then
+    run_part gpu_check "$T_CHECK" 60 "$OUT/gpu_check.log" python3 benchmarks/gpu_check.py ${CHECK_ARGS:-}
 fi
-start=$(date +%s)
-if [ "${T_CHECK:-200}" != 0 ]; then
-    timeout "${T_CHECK:-200}" python3 benchmarks/gpu_check.py ${CHECK_ARGS:-} 2>&1 | tee "$OUT/gpu_check.log"
-    echo "[gpu_check: $(( $(date +%s) - start )) s]"
-fi
-start=$(date +%s)
-if [ "${T_FP8:-150}" != 0 ]; then
-    timeout "${T_FP8:-150}" python3 benchmarks/gpu_check.py --parts 5 ${FP8_ARGS:-} 2>&1 | tee "$OUT/gpu_fp8.log"
-    echo "[gpu_fp8: $(( $(date +%s) - start )) s]"
-fi
-start=$(date +%s)
-if [ "${T_ROOF:-90}" != 0 ]; then
+if wanted roof-qwen; then
     for spec in 0 3; do
         for batch in 1 8; do
-            timeout "${T_ROOF:-90}" python3 benchmarks/roofline.py --layers "${ROOF_LAYERS:-4}" --batch $batch \
-                --num-spec $spec --json "$OUT/roofline-b$batch-k$spec.json" 2>&1 | tee -a "$OUT/roofline.log"
+            run_part "roofline qwen3-next b$batch k$spec" "$T_ROOF" 30 "$OUT/roofline.log" python3 benchmarks/roofline.py \
+                --layers "$ROOF_LAYERS" --batch $batch --num-spec $spec --jsonl "$OUT/roofline.jsonl"
         done
     done
-    echo "[roofline: $(( $(date +%s) - start )) s]"
 fi
+if wanted roof-gemma; then
+    for model in gemma4-26b-a4b gemma4-31b; do
+        for spec in 0 3; do
+            run_part "roofline $model b1 k$spec" "$T_ROOF" 30 "$OUT/roofline.log" python3 benchmarks/roofline.py \
+                --model $model --layers "$ROOF_GEMMA_LAYERS" --context "$ROOF_GEMMA_CONTEXT" --batch 1 --num-spec $spec \
+                --jsonl "$OUT/roofline.jsonl"
+        done
+    done
+fi
+if wanted kernels; then
+    run_part gpu_kernels "$T_KERNELS" 40 "$OUT/gpu_kernels.log" python3 benchmarks/gpu_kernels.py --no-tests \
+        --json "$OUT/kernels.json"
+fi
+if wanted fp8; then
+    run_part gpu_fp8 "$T_FP8" 60 "$OUT/gpu_check.log" python3 benchmarks/gpu_check.py --parts 5 ${FP8_ARGS:-}
+fi
+note "[gpu_all.sh: $(( $(date +%s) - t0 )) s$( [ "$DRY_RUN" != 0 ] && echo ", $simulated s planned") of $T_TOTAL]"
+files=$(find "$OUT" -type f | wc -l)
+if [ "$files" -gt 8 ]; then note "[warning: $files files in $OUT; the device returns at most 8]"; fi

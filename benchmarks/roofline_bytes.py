@@ -39,6 +39,9 @@ Gemma 4 (`gemma4_bytes`), drafting with its assistant (num_spec 0: no drafter):
   type t, full layers keys 0 .. p-1 (p positions), sliding layers p-W-1 .. p-1
   (min(p, W + 1) positions: transformers' drafter mask is one key wider than the target's
   window); it writes no KV.
+A KV read is counted for every layer and every pass that reads it, each its own kernel: the
+assistant's sliding layers all read the same target layer, once per draft step, and a
+KV-shared layer rereads its source (a fused kernel or the L2 cache could read them once).
 """
 
 import contextlib

@@ -20,3 +20,43 @@ def test_gpu_check_fp8_part_dry_run(monkeypatch, capsys):
     assert out.count("greedy tokens, graphs vs eager (kept FP8): same True") == 2
     kept = [ln for ln in out.splitlines() if ln.startswith("kept:")]
     assert len(kept) == 2 and all("with named scale rows" in ln for ln in kept)
+
+
+def _gpu_all_plan(tmp_path, **env):
+    """benchmarks/gpu_all.sh's dry run: (summary lines, [(part, cap s, log file)], skipped parts)."""
+    import os
+    import re
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", str(root / "benchmarks" / "gpu_all.sh")], cwd=root, capture_output=True, text=True,
+                         env={**os.environ, "DRY_RUN": "1", "OUT": str(out), **env}, timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = (out / "summary.log").read_text().splitlines()
+    assert lines == run.stdout.splitlines()
+    plan = [(m[1], int(m[2]), m[3]) for m in (re.match(r"\[plan (.+?): cap (\d+) s -> (\S+)\]", ln) for ln in lines) if m]
+    skipped = [m[1] for m in (re.match(r"\[skip (.+?): ", ln) for ln in lines) if m]
+    return lines, plan, skipped
+
+
+def test_gpu_all_fits_one_device_call(tmp_path):
+    """By default the parts' caps add up to at most T_TOTAL = 540 s (one command may run 600 s),
+    in priority order, the ones that do not fit skipped and named; at most 8 files come back."""
+    lines, plan, skipped = _gpu_all_plan(tmp_path)
+    names = [p for p, _, _ in plan]
+    assert names[:3] == ["tests", "gpu_check", "roofline qwen3-next b1 k0"]
+    assert sum(cap for _, cap, _ in plan) <= 540
+    assert any(n.startswith("roofline gemma4") for n in names)
+    assert names + skipped == (["tests", "gpu_check"] + [f"roofline qwen3-next b{b} k{k}" for k in (0, 3) for b in (1, 8)]
+                               + [f"roofline {m} b1 k{k}" for m in ("gemma4-26b-a4b", "gemma4-31b") for k in (0, 3)]
+                               + ["gpu_kernels", "gpu_fp8"])
+    assert "gpu_fp8" in skipped
+    # summary.log, the logs the parts write, roofline.jsonl and kernels.json
+    assert len({"summary.log", "roofline.jsonl", "kernels.json"} | {log for _, _, log in plan}) <= 8
+    # A smaller budget caps the last part that starts by what is left, and skips the rest.
+    _, plan, skipped = _gpu_all_plan(tmp_path, T_TOTAL="200")
+    assert [(p, cap) for p, cap, _ in plan] == [("tests", 120), ("gpu_check", 80)]
+    assert skipped[0] == "roofline qwen3-next b1 k0" and skipped[-1] == "gpu_fp8"
+    # A second call for what the first skipped.
+    _, plan, skipped = _gpu_all_plan(tmp_path, PARTS="kernels fp8")
+    assert [p for p, _, _ in plan] == ["gpu_kernels", "gpu_fp8"] and skipped == []
