@@ -15,7 +15,8 @@
 #   fp8         gpu_check.py part 5 = gpu_fp8.py, FP8 kept in FP8 (T_FP8; FP8_ARGS)
 # Each part (each roofline run) runs under min(its own limit, the time left); a part is skipped,
 # and says so, when less than its minimum is left (a limit of 0 disables it). PARTS="kernels fp8"
-# runs only the parts named (e.g. a second call for what the first skipped). DRY_RUN=1 prints
+# runs only the parts named (e.g. a second call for what the first skipped); ROOF_ARGS are added
+# to every roofline run (e.g. "--experts 16 --vocab 2048" for a CPU run of the plumbing). DRY_RUN=1 prints
 # the plan without running anything, as if every part took its whole cap (the worst case).
 # At most 8 files come back from the device, so the logs are combined, 7 files in $OUT (the
 # device tool's folder, else ./gpu-logs): summary.log (this plan: caps, times, exit codes,
@@ -48,6 +49,7 @@ run_part() {
     rem=$(left)
     if [ "$limit" = 0 ]; then note "[skip $name: its limit is 0]"; return; fi
     cap=$(( limit < rem ? limit : rem ))
+    min=$(( min < limit ? min : limit ))   # a part given less than its usual minimum runs in what it was given
     if [ "$cap" -lt "$min" ]; then note "[skip $name: ${rem} s left of $T_TOTAL, it needs ${min} s]"; return; fi
     if [ "$DRY_RUN" != 0 ]; then
         note "[plan $name: cap ${cap} s -> ${log#$OUT/}] $*"
@@ -85,7 +87,7 @@ if wanted roof-qwen; then
     for spec in 0 3; do
         for batch in 1 8; do
             run_part "roofline qwen3-next b$batch k$spec" "$T_ROOF" 30 "$OUT/roofline.log" python3 benchmarks/roofline.py \
-                --layers "$ROOF_LAYERS" --batch $batch --num-spec $spec --jsonl "$OUT/roofline.jsonl"
+                --layers "$ROOF_LAYERS" --batch $batch --num-spec $spec --jsonl "$OUT/roofline.jsonl" ${ROOF_ARGS:-}
         done
     done
 fi
@@ -94,7 +96,7 @@ if wanted roof-gemma; then
         for spec in 0 3; do
             run_part "roofline $model b1 k$spec" "$T_ROOF" 30 "$OUT/roofline.log" python3 benchmarks/roofline.py \
                 --model $model --layers "$ROOF_GEMMA_LAYERS" --context "$ROOF_GEMMA_CONTEXT" --batch 1 --num-spec $spec \
-                --jsonl "$OUT/roofline.jsonl"
+                --jsonl "$OUT/roofline.jsonl" ${ROOF_ARGS:-}
         done
     done
 fi

@@ -34,7 +34,8 @@ def _gpu_all_plan(tmp_path, **env):
     assert run.returncode == 0, run.stderr
     lines = (out / "summary.log").read_text().splitlines()
     assert lines == run.stdout.splitlines()
-    plan = [(m[1], int(m[2]), m[3]) for m in (re.match(r"\[plan (.+?): cap (\d+) s -> (\S+)\]", ln) for ln in lines) if m]
+    planned = (re.match(r"\[plan (.+?): cap (\d+) s -> (\S+)\]", ln) for ln in lines)
+    plan = [(m[1], int(m[2]), m[3]) for m in planned if m]
     skipped = [m[1] for m in (re.match(r"\[skip (.+?): ", ln) for ln in lines) if m]
     return lines, plan, skipped
 
@@ -47,7 +48,8 @@ def test_gpu_all_fits_one_device_call(tmp_path):
     assert names[:3] == ["tests", "gpu_check", "roofline qwen3-next b1 k0"]
     assert sum(cap for _, cap, _ in plan) <= 540
     assert any(n.startswith("roofline gemma4") for n in names)
-    assert names + skipped == (["tests", "gpu_check"] + [f"roofline qwen3-next b{b} k{k}" for k in (0, 3) for b in (1, 8)]
+    qwen = [f"roofline qwen3-next b{b} k{k}" for k in (0, 3) for b in (1, 8)]
+    assert names + skipped == (["tests", "gpu_check"] + qwen
                                + [f"roofline {m} b1 k{k}" for m in ("gemma4-26b-a4b", "gemma4-31b") for k in (0, 3)]
                                + ["gpu_kernels", "gpu_fp8"])
     assert "gpu_fp8" in skipped

@@ -176,7 +176,8 @@ def test_gemma4_dense_step_bytes_equal_a_hand_count(g_dense):
     full = (128 + 32 + 32) * 16 + 16 * 128 + 32 + 32
     shared_sliding = 32 * 16 + 16 * 32 + 8                   # q_proj, o_proj, q_norm
     shared_full = 128 * 16 + 16 * 128 + 32
-    target = 2 * sliding + full + shared_sliding + shared_full + 5 * common + 20 * 16 + 4 + 16   # + PLE projection, norms
+    # + the per-layer-embedding projection [20, 16] and its norm 4, the final norm 16
+    target = 2 * sliding + full + shared_sliding + shared_full + 5 * common + 20 * 16 + 4 + 16
     kv_s, kv_f = 2 * 2 * 8, 2 * 1 * 32                          # K and V of one position
     for k in (0, 2):
         B, T = k + 1, b * (k + 1)
