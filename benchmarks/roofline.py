@@ -49,8 +49,6 @@ from mtpkit.models.moe import SparseMoE  # noqa: E402
 from roofline_bytes import DRAFT_PREFIXES, Step, record_routing, step_bytes  # noqa: E402,F401
 from roofline_configs import MODELS, assistant_config, gemma4_config, qwen3_next_config  # noqa: E402
 
-real_config = qwen3_next_config
-
 
 # ---- the engine at a steady decode step ------------------------------------------------------
 def build(path: Path, args, device: str, draft_model: Path | None = None):
