@@ -166,9 +166,9 @@ def _act_mul_kernel(g, u, rg, out, N, sg, su, sr, ACT: tl.constexpr, ROW_GATE: t
     uv = tl.load(u + row * su + cols, mask=m, other=0.0).to(tl.float32)
     if ACT == 0:
         a = gv * tl.sigmoid(gv)
-    elif ACT == 1:   # gelu, tanh approximation: tanh(y) = 1 - 2 / (exp(2y) + 1)
+    elif ACT == 1:   # gelu, tanh approximation: 0.5 x (1 + tanh(y)) = x sigmoid(2y), no cancellation near -1
         y = 0.7978845608028654 * (gv + 0.044715 * gv * gv * gv)
-        a = 0.5 * gv * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+        a = gv * tl.sigmoid(2.0 * y)
     else:
         a = tl.sigmoid(gv)
     o = _rounded(_rounded(a, DT) * uv, DT)
