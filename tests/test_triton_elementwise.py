@@ -75,26 +75,26 @@ def rows_of(T, N, dtype, g, padded=False, scale=1.0):
     return x.to(dtype).to(DEVICE)
 
 
-def check(got, want, dtype, exact_share=None):
+def check(got, want, dtype, exact_share=None, name=""):
     """fp32: to rounding. bf16: within the interpreter's truncation (up to three truncated
     roundings of 2^-7 each; a residual sum's operands' ulps: 2e-2 of values of order 1), or with
     `exact_share` (RNE casts): at least that share of elements bit-equal, the rest one ulp off."""
     if isinstance(got, tuple):
         for a, b in zip(got, want, strict=True):
-            check(a, b, dtype, exact_share)
+            check(a, b, dtype, exact_share, name)
         return
     assert got.shape == want.shape and got.dtype == want.dtype
     if dtype == torch.float32:
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
         return
     a, b = got.float(), want.float()
     if exact_share is None:
-        torch.testing.assert_close(a, b, atol=2e-2, rtol=3e-2)
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=3e-2, msg=lambda m: f"{name}: {m}")
         return
     same = (a == b).float().mean().item()
-    assert same >= exact_share, f"only {same:.4f} of the elements equal the reference's"
+    assert same >= exact_share, f"{name}: only {same:.4f} of the elements equal the reference's"
     # one ulp, or 1e-4 near zero (torch's gelu_tanh returns 0 for some tiny negative-tail values)
-    assert ((a - b).abs() <= b.abs() * 2 ** -7 + 1e-4).all()
+    assert ((a - b).abs() <= b.abs() * 2 ** -7 + 1e-4).all(), f"{name}: more than one ulp off"
 
 
 def weights(N, dtype, g, centre):
@@ -121,14 +121,14 @@ def norm_cases(kernel, T, N, dtype, g):
 def test_residual_norms_match_reference(kernel, dtype, T, N):
     g = torch.Generator().manual_seed(T * 7 + N)
     for name, got, want in norm_cases(kernel, T, N, dtype, g):
-        check(got, want, dtype)
+        check(got, want, dtype, name=name)
 
 
 @pytest.mark.parametrize("N", [200, 2048, 5376])
 def test_residual_norms_round_like_reference(kernel, rne, N):
     g = torch.Generator().manual_seed(N)
     for name, got, want in norm_cases(kernel, 3, N, torch.bfloat16, g):
-        check(got, want, torch.bfloat16, exact_share=0.99)
+        check(got, want, torch.bfloat16, exact_share=0.99, name=name)
 
 
 def test_padded_rows_do_not_change_real_rows(kernel):
@@ -176,7 +176,7 @@ def act_cases(kernel, T, N, dtype, g):
 @pytest.mark.parametrize("T,N", [(1, 200), (3, 512), (8, 1500), (2, 4096), (1, 21504)])   # Qwen expert 512,
 def test_act_mul_matches_reference(kernel, dtype, T, N):                                  # attention 4096, Gemma 31B MLP
     for name, got, want in act_cases(kernel, T, N, dtype, torch.Generator().manual_seed(T + N)):
-        check(got, want, dtype)
+        check(got, want, dtype, name=name)
 
 
 def test_act_mul_rounds_like_reference(kernel, rne):
@@ -184,7 +184,7 @@ def test_act_mul_rounds_like_reference(kernel, rne):
         # torch's gelu_tanh, 0.5 x (1 + tanh(y)) in fp32, loses bits where tanh(y) is near -1:
         # there (~1.5% of these elements) the kernel's x sigmoid(2y) is one bf16 ulp off it, and
         # nearer the exact value (measured: 98.6% of the differing elements are the exact one rounded)
-        check(got, want, torch.bfloat16, exact_share=0.97 if name == "gelu_tanh" else 0.99)
+        check(got, want, torch.bfloat16, exact_share=0.97 if name == "gelu_tanh" else 0.99, name=name)
 
 
 def test_fp64_goes_to_the_reference(kernel):

@@ -38,8 +38,8 @@ from torch import nn
 
 from ..parallel import TP
 from ..shapes import Float, Int, Tensor, checked
-from .fp8_layout import Columns, FP8Rows
 from . import elementwise
+from .fp8_layout import Columns, FP8Rows
 from .layers import linear
 from .moe_experts import moe_experts
 from .moe_fp8 import FP8Experts, MoENames, in_parts
