@@ -6,11 +6,19 @@
    over time) and times every kernel against its torch reference at real Qwen3-Next layer
    shapes (GDN: 16 key / 32 value heads of 128, conv_dim 8192, conv width 4; attention:
    16 heads / 2 KV heads of 256, pages of 16) for batch 1, 8, 64 and bundle 3, 4, plus a
-   head_dim-512 attention layer (Gemma 4 full-attention size) and three prefill shapes.
+   head_dim-512 attention layer (Gemma 4 full-attention size) and three prefill shapes; and
+   the fused elementwise glue (models/triton_elementwise.py) against its torch reference, the
+   unfused ops the torch backend runs, for 4 and 32 tokens (batch 1 and 8, bundle 4):
+   Qwen3-Next's residual add + norm (hidden 2048), GDN gated norm (32 x 128), shared-expert
+   and attention-gate activations; Gemma 4's sandwich norms (26B-A4B 2816, 31B 5376) and
+   31B's gelu-tanh MLP activation (21504). These are timed eagerly like the rest: the torch
+   side's several small launches then include their host dispatch, which a CUDA graph removes,
+   so the ratio is an upper bound on what fusing saves inside the step's graph.
 
-Table: kernel, shape, Triton ms, torch ms, bytes moved (the minimum the op must read and
-write), bound ms (bytes / copy bandwidth), % of bound (bound / Triton time), and the max
-|Triton - torch| over outputs (and the state pools written). Times are medians of CUDA-event
+Table: kernel, shape, Triton ms, torch ms, their ratio (torch / Triton: > 1 is Triton faster),
+bytes moved (the minimum the op must read and write), bound ms (bytes / copy bandwidth),
+% of bound (bound / Triton time), and the max |Triton - torch| over outputs (and the state
+pools written). Times are medians of CUDA-event
 timings with the L2 cache flushed before every run.
 
     python benchmarks/gpu_kernels.py [--no-tests] [--ctx 4096] [--batches 1 8 64]
@@ -41,7 +49,8 @@ def run_tests() -> bool:
         return True
     env = dict(os.environ, MTPKIT_TRITON_TEST_DEVICE="cuda", PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_kernels.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_kernels.py",
+           "tests/test_triton_elementwise.py"]
     if importlib.util.find_spec("xdist") is not None:  # compiling ~150 kernel variants: in parallel
         cmd += ["-n", str(min(8, os.cpu_count() or 1))]
     print("[tests] " + " ".join(cmd[2:]) + "  (MTPKIT_TRITON_TEST_DEVICE=cuda)", flush=True)
@@ -252,6 +261,51 @@ def paged_prefill_case(q_lens, prefix: int):
             nbytes, maxdiff([(o_t, o_r)]))
 
 
+def glue_case(kind: str, T: int):
+    """One fused glue op at a real width, against elementwise.py's unfused torch ops."""
+    import torch
+    from mtpkit.models import elementwise as ref
+    from mtpkit.models import triton_elementwise as fused
+
+    dev, bf = DEV, torch.bfloat16
+
+    def rows(n):
+        return torch.randn(T, n, device=dev, dtype=bf)
+
+    def weight(n, centre):
+        return (torch.randn(n, device=dev) * 0.1 + centre).to(bf)
+
+    if kind.startswith("add_rms_norm"):           # Qwen3-Next: residual add + zero-centred norm
+        H = int(kind.split("_")[-1])
+        name, args, nbytes = "add_rms_norm", (rows(H), rows(H), weight(H, 0.0), 1e-6, True), 2 * (4 * T * H + H)
+    elif kind.startswith("norm_add_rms_norm"):    # Gemma 4: post-attention norm, add, pre-FFN norm
+        H = int(kind.split("_")[-1])
+        name, args = "norm_add_rms_norm", (rows(H), rows(H), weight(H, 1.0), weight(H, 1.0), 1e-6)
+        nbytes = 2 * (4 * T * H + 2 * H)
+    elif kind.startswith("norm_add_scalar"):      # Gemma 4: post-FFN norm, add, layer_scalar
+        H = int(kind.split("_")[-1])
+        name, args = "norm_add", (rows(H), rows(H), weight(H, 1.0), 1e-6, torch.full((1,), 0.7, device=dev, dtype=bf))
+        nbytes = 2 * (3 * T * H + H)
+    elif kind == "gated_rms_norm":                # Qwen3-Next GDN output: 32 heads of 128, z a view
+        z = torch.randn(T, 64, 128, device=dev, dtype=bf)[:, 32:]
+        name, args = "gated_rms_norm", (torch.randn(T, 32, 128, device=dev, dtype=bf), z, weight(128, 1.0), 1e-6)
+        nbytes = 2 * (3 * T * 4096 + 128)
+    else:                                         # act_mul over a merged projection's views
+        act, N, row_gate = {"shared_expert": ("silu", 512, True), "attn_gate": ("sigmoid", 4096, False),
+                            "gelu_mlp": ("gelu_tanh", 21504, False)}[kind]
+        h = rows(2 * N + 1)
+        name, args = "act_mul", (h[:, :N], h[:, N:2 * N], act, h[:, 2 * N:] if row_gate else None)
+        nbytes = 2 * (3 * T * N + (T if row_gate else 0))
+    fn_t, fn_r = getattr(fused, name), getattr(ref, name)
+    out_t, out_r = fn_t(*args), fn_r(*args)
+    pairs = list(zip(out_t, out_r)) if isinstance(out_t, tuple) else [(out_t, out_r)]
+    return (f"glue:{kind}", f"T={T}", lambda: fn_t(*args), lambda: fn_r(*args), nbytes, maxdiff(pairs))
+
+
+GLUE_KINDS = ("add_rms_norm_2048", "gated_rms_norm", "shared_expert", "attn_gate", "norm_add_rms_norm_2816",
+              "norm_add_rms_norm_5376", "norm_add_scalar_5376", "gelu_mlp")
+
+
 # ---------------------------------------------------------------------------------------
 
 
@@ -301,11 +355,13 @@ def main() -> int:
                       lambda R=R, B=B: conv_verify_case(R, B),
                       lambda R=R, B=B: paged_verify_case(R, B, args.ctx),
                       lambda R=R, B=B: paged_verify_case(R, B, args.ctx, ATTN_512, "paged_verify_hd512")]
+    for T in (4, 32):   # batch 1 and 8, bundle 4
+        cases += [lambda kind=kind, T=T: glue_case(kind, T) for kind in GLUE_KINDS]
     cases += [lambda: gdn_prefill_case([2048]), lambda: gdn_prefill_case([512] * 8),
               lambda: conv_prefill_case([2048]), lambda: conv_prefill_case([512] * 8),
               lambda: paged_prefill_case([2048], 0), lambda: paged_prefill_case([512] * 4, 1536)]
 
-    head = (f"{'kernel':<26} {'shape':<40} {'triton ms':>10} {'torch ms':>10} {'MB':>9} "
+    head = (f"{'kernel':<26} {'shape':<40} {'triton ms':>10} {'torch ms':>10} {'torch/tri':>9} {'MB':>9} "
             f"{'bound ms':>9} {'% bound':>8} {'max|diff|':>10}")
     print(head)
     print("-" * len(head), flush=True)
@@ -322,10 +378,10 @@ def main() -> int:
         finally:
             torch.cuda.empty_cache()
         bound = nbytes / bw * 1e3
-        row = dict(kernel=label, shape=shape, triton_ms=t_ms, torch_ms=r_ms, bytes=nbytes,
-                   bound_ms=bound, pct_of_bound=100 * bound / t_ms, max_abs_diff=diff)
+        row = dict(kernel=label, shape=shape, triton_ms=t_ms, torch_ms=r_ms, torch_over_triton=r_ms / t_ms,
+                   bytes=nbytes, bound_ms=bound, pct_of_bound=100 * bound / t_ms, max_abs_diff=diff)
         rows.append(row)
-        print(f"{label:<26} {shape:<40} {t_ms:>10.4f} {r_ms:>10.3f} {nbytes / 1e6:>9.2f} "
+        print(f"{label:<26} {shape:<40} {t_ms:>10.4f} {r_ms:>10.3f} {r_ms / t_ms:>9.2f} {nbytes / 1e6:>9.2f} "
               f"{bound:>9.4f} {row['pct_of_bound']:>7.1f}% {diff:>10.2e}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(copy_bandwidth=bw, rows=rows, tests_ok=ok), indent=2))

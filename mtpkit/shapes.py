@@ -54,6 +54,8 @@ DIMS: dict[str, str] = {
     "vocab": "vocabulary size",
     "vocab_shard": "rows of a vocab-parallel embedding / lm_head held by one rank",
     "intermediate": "MLP / expert intermediate size",
+    "gated_dim": "features of a gated activation act(g) * u: an MLP's intermediate size, or a gated attention "
+                 "output's heads x head_dim",
     "heads": "query heads of full attention",
     "kv_heads": "key/value heads of full attention",
     "qk_heads": "query heads then key heads of full attention, normalised and rotated together",

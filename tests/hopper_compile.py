@@ -26,7 +26,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from mtpkit.attn import fp8_matmul, triton_conv, triton_fp8_matmul, triton_gdn, triton_paged  # noqa: E402
-from mtpkit.models import triton_moe  # noqa: E402
+from mtpkit.models import triton_elementwise, triton_moe  # noqa: E402
 
 SM90_SHARED = 227 * 1024  # the most shared memory one block may use on sm_90
 H200_SMS = 132
@@ -72,7 +72,7 @@ def record(calls) -> list[tuple]:
     saved = (JITFunction.run, triton_paged._sm_count)
     JITFunction.run = fake_run
     triton_paged._sm_count = lambda device: H200_SMS
-    patched = [m for m in (triton_conv, triton_gdn, triton_paged, triton_fp8_matmul, triton_moe)
+    patched = [m for m in (triton_conv, triton_gdn, triton_paged, triton_fp8_matmul, triton_moe, triton_elementwise)
                if hasattr(m, "use_reference")]
     originals = [m.use_reference for m in patched]
     for m in patched:
@@ -133,6 +133,7 @@ def calls(dtype=torch.bfloat16, bundles=(1, 3, 4), prefill=True):
         out.append(lambda T=T: triton_moe.moe_experts(
             torch.zeros(T, Hd, dtype=dtype), w13, w_down, torch.arange(T * K).view(T, K) % E,
             torch.zeros(T, K, dtype=dtype)))
+    out += glue_calls(dtype)
     if not prefill:
         return out
     out += fp8_calls(dtype)
@@ -152,6 +153,30 @@ def calls(dtype=torch.bfloat16, bundles=(1, 3, 4), prefill=True):
         out.append(lambda kc=kc, D=D, q_len=q_len, H=H, window=window: triton_paged.paged_attention_prefill(
             torch.zeros(2 * q_len, H, D, dtype=dtype), kc, kc, torch.tensor([0, q_len, 2 * q_len]),
             torch.tensor([q_len, q_len]), torch.zeros(2, 128, dtype=torch.int64), D ** -0.5, window))
+    return out
+
+
+def glue_calls(dtype, tokens=(1, 32)):
+    """The fused elementwise glue at real widths: residual norms over Qwen3-Next's hidden 2048
+    and Gemma 4's 2816 (26B-A4B) and 5376 (31B); GDN's gated norm over 32 heads of 128; the
+    gated activations of the shared expert (512), an attention output (16 x 256) and Gemma 4
+    31B's MLP (21504, assumed). One token and 32 (8 requests x bundle 4)."""
+    g = triton_elementwise
+    out = []
+    for T in tokens:
+        for H in (2048, 2816, 5376):
+            x, w, s = torch.zeros(T, H, dtype=dtype), torch.zeros(H, dtype=dtype), torch.ones(1, dtype=dtype)
+            out += [lambda x=x, w=w: g.rms_norm(x, w, 1e-6, True),
+                    lambda x=x, w=w: g.add_rms_norm(x, x, w, 1e-6, True),
+                    lambda x=x, w=w: g.norm_add_rms_norm(x, x, w, w, 1e-6),
+                    lambda x=x, w=w, s=s: g.norm_add(x, x, w, 1e-6, s),
+                    lambda x=x, w=w: g.norm_add(x, x, w, 1e-6, None)]
+        o, z = torch.zeros(T, 32, 128, dtype=dtype), torch.zeros(T, 64, 128, dtype=dtype)[:, :32]
+        out.append(lambda o=o, z=z: g.gated_rms_norm(o, z, torch.ones(128, dtype=dtype), 1e-6))
+        for N, act, row_gate in ((512, "silu", True), (4096, "sigmoid", False), (21504, "gelu_tanh", False)):
+            h = torch.zeros(T, 2 * N + 1, dtype=dtype)
+            out.append(lambda h=h, N=N, act=act, rg=row_gate: g.act_mul(h[:, :N], h[:, N:2 * N], act,
+                                                                          h[:, 2 * N:] if rg else None))
     return out
 
 

@@ -3,7 +3,8 @@
 test_triton_kernels.py checks the kernels' numbers under the Triton interpreter, which runs
 them as numpy: it accepts programs a GPU compile refuses and cannot tell whether a tile fits
 in shared memory. Here every launch the entry points make at real layer shapes (Qwen3-Next's
-GDN, conv and head_dim-256 attention, its fused MoE experts, head_dim 512, a sliding window with softcap, bundles 1,
+GDN, conv and head_dim-256 attention, its fused MoE experts and elementwise glue (norms with
+the residual adds, the gated norm and activations, also at Gemma 4's widths), head_dim 512, a sliding window with softcap, bundles 1,
 3 and 4, bf16 and fp32; the block-scaled FP8 matmul at decode and prefill sizes, in the block layout and with rows
 naming their scale rows, and batched over expert stacks, gathered per token-expert pair or shared) is compiled for sm_90
 through Triton's own ptxas
@@ -42,7 +43,8 @@ def test_every_launch_compiles_for_sm90(compiled):
     assert kernels == {"_gdn_verify_kernel", "_gdn_prefill_kernel", "_conv_verify_kernel",
                        "_conv_prefill_out_kernel", "_conv_prefill_state_kernel", "_paged_verify_kernel",
                        "_merge_splits_kernel", "_paged_prefill_kernel", "_fp8_block_matmul_kernel",
-                       "_moe_gate_up_kernel", "_moe_down_kernel"}
+                       "_moe_gate_up_kernel", "_moe_down_kernel", "_residual_norm_kernel",
+                       "_gated_rms_norm_kernel", "_act_mul_kernel"}
     failed = [r for r in launches if "error" in r]
     assert not failed, "\n".join(f"{r['kernel']} {r['constexprs']} {r['options']}: {r['error']}" for r in failed)
     assert all(r["cubin_bytes"] > 0 for r in launches)

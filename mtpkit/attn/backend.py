@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from ..errors import ConfigError
+from ..models import elementwise as glue_ref
 from ..models import moe_experts as moe_ref
 from . import conv, gdn, paged
 
@@ -34,6 +35,14 @@ class AttnBackend:
     # paged_attention_verify reads them (`kv_slots`, `kv_pos`): the same for every layer of a KV
     # pool, so a model computes them once per step. None: the kernel walks the block table.
     verify_gather: Callable | None = None
+    # The elementwise glue of the decoder layers (models/elementwise.py: norms fused with the
+    # residual add, GDN's gated norm, gated activations): one fused kernel each on Triton.
+    rms_norm: Callable = glue_ref.rms_norm
+    add_rms_norm: Callable = glue_ref.add_rms_norm
+    norm_add_rms_norm: Callable = glue_ref.norm_add_rms_norm
+    norm_add: Callable = glue_ref.norm_add
+    gated_rms_norm: Callable = glue_ref.gated_rms_norm
+    act_mul: Callable = glue_ref.act_mul
 
 
 TORCH = AttnBackend(

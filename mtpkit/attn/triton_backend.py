@@ -1,5 +1,6 @@
 """The "triton" attention backend: the Triton kernels of triton_gdn / triton_conv /
-triton_paged and the fused MoE experts of models/triton_moe (flash-attn inside triton_paged where importable and applicable, fla-core's
+triton_paged, the fused MoE experts of models/triton_moe and the fused elementwise glue of
+models/triton_elementwise (flash-attn inside triton_paged where importable and applicable, fla-core's
 chunked kernel for GDN prefill where importable), with write_kv from the torch reference.
 
 Importing this module registers the backend; `select_backend` imports it lazily when
@@ -12,7 +13,7 @@ import torch
 
 from ..errors import ConfigError
 from .backend import AttnBackend, register_backend
-from ..models import triton_moe
+from ..models import triton_elementwise, triton_moe
 from . import triton_conv, triton_gdn, triton_paged
 
 __all__ = ["TRITON", "make_triton_backend"]
@@ -27,6 +28,12 @@ TRITON = AttnBackend(
     gated_delta_rule_prefill=triton_gdn.gated_delta_rule_prefill,
     gated_delta_rule_verify=triton_gdn.gated_delta_rule_verify,
     moe_experts=triton_moe.moe_experts,
+    rms_norm=triton_elementwise.rms_norm,
+    add_rms_norm=triton_elementwise.add_rms_norm,
+    norm_add_rms_norm=triton_elementwise.norm_add_rms_norm,
+    norm_add=triton_elementwise.norm_add,
+    gated_rms_norm=triton_elementwise.gated_rms_norm,
+    act_mul=triton_elementwise.act_mul,
 )
 
 

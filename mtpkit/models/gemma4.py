@@ -6,8 +6,6 @@ Facts it matches are in shared/reference/gemma4.md; transformers 5.24 is the ora
 logits (where the two disagree, transformers' behaviour is what is implemented).
 """
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -110,7 +108,7 @@ class Gemma4RoPE(PartialRoPE):
 class GeluMLP(MLP):
     """down(gelu_tanh(gate(x)) * up(x)), gate and up merged (layers.MLP with Gemma's activation)."""
 
-    act = staticmethod(functools.partial(F.gelu, approximate="tanh"))
+    act = "gelu_tanh"
 
 
 class Gemma4Experts(SparseMoE):
@@ -263,8 +261,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: Gemma4Config, i: int, kv_at: tuple[str, int], tp: TP, ops: AttnBackend):
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.ops, self.eps = ops, eps
         self.self_attn = Attention(cfg, i, kv_at, tp, ops)
-        self.mlp = GeluMLP(H, cfg.intermediate(i), tp)
+        self.mlp = GeluMLP(H, cfg.intermediate(i), tp, ops)
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
             setattr(self, name, GemmaRMSNorm(H, eps))
@@ -287,16 +286,23 @@ class DecoderLayer(nn.Module):
                 positions: Int[Tensor, "num_tokens"], meta: Metadata, cache: CacheTensors,
                 cos_sin: tuple[Tensor, Tensor] | None = None, kv_gather: tuple | None = None
                 ) -> Float[Tensor, "num_tokens hidden"]:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, meta, cache,
-                                                             cos_sin, kv_gather))
-        h = self.mlp(self.pre_feedforward_layernorm(x))
+        # The norms around the two residual adds are the backend's fused glue (elementwise.py):
+        # x + post_attention_layernorm(a) and pre_feedforward_layernorm of that sum in one op,
+        # x + post_feedforward_layernorm(h) (times layer_scalar unless the PLE block follows) in one.
+        ops, eps = self.ops, self.eps
+        a = self.self_attn(ops.rms_norm(x, self.input_layernorm.weight, eps, False), positions, meta, cache,
+                           cos_sin, kv_gather)
+        h, x = ops.norm_add_rms_norm(a, x, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
+                                     eps)
+        h = self.mlp(h)
         if self.moe:
             routed = self.experts(self.pre_feedforward_layernorm_2(x), self.router(x))
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
-        x = x + self.post_feedforward_layernorm(h)
-        if self.ple:
-            g = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * ple
-            x = x + self.post_per_layer_input_norm(self.per_layer_projection(g))
+        x = ops.norm_add(h, x, self.post_feedforward_layernorm.weight, eps, None if self.ple else self.layer_scalar)
+        if not self.ple:
+            return x
+        g = ops.act_mul(self.per_layer_input_gate(x), ple, "gelu_tanh")
+        x = x + self.post_per_layer_input_norm(self.per_layer_projection(g))
         return x * self.layer_scalar
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..parallel import TP
 from ..shapes import Float, Int, Tensor, checked
+from . import elementwise
 from .fp8_layout import Columns, FP8Rows, Part
 from .weights import WeightSpec, inverse, narrow, read, shard_range
 
@@ -193,11 +194,14 @@ def _float(x: Tensor) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm of Qwen3-Next: y = norm(x) * (1 + w), in fp32, cast back at the end."""
+    """Zero-centred RMSNorm of Qwen3-Next: y = norm(x) * (1 + w), in fp32, cast back at the end.
+    With a residual it is also the residual add before the norm (one fused op on Triton):
+    `forward(x, residual)` -> (norm(residual + x), residual + x). `ops`: the attention
+    backend, whose fused glue it runs (models/elementwise.py's torch references without one)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops=None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.ops = eps, ops
         self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
 
     def scale(self, dtype: torch.dtype) -> Tensor:
@@ -205,10 +209,11 @@ class RMSNorm(nn.Module):
         w = self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
         return w + 1.0
 
-    def forward(self, x: Tensor) -> Tensor:
-        xf = _float(x)
-        y = F.rms_norm(xf, (xf.shape[-1],), self.scale(xf.dtype), self.eps)
-        return y if y.dtype == x.dtype else y.to(x.dtype)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        ops = self.ops or elementwise
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps, True)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps, True)
 
 
 def rms_norm_heads(x: Float[Tensor, "num_tokens qk_heads head_dim"], norms: list[tuple[RMSNorm, int]]
@@ -227,20 +232,16 @@ def rms_norm_heads(x: Float[Tensor, "num_tokens qk_heads head_dim"], norms: list
 
 
 class GatedRMSNorm(nn.Module):
-    """GDN output norm: rmsnorm(x) * w * silu(z), plain weight (initialised to 1)."""
+    """GDN output norm: rmsnorm(x) * w * silu(z), plain weight (initialised to 1); the
+    backend's (`ops`) fused kernel, or elementwise.gated_rms_norm."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops=None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.ops = eps, ops
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: Tensor, z: Tensor) -> Tensor:
-        dtype = x.dtype
-        if dtype in (torch.float32, torch.float64):  # w * norm(x) is then one rounding either way
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps) * F.silu(z)
-        # Lower precision: the reference rounds norm(x) to the input dtype before the weight.
-        y = self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(dtype)
-        return (y * F.silu(z.float())).to(dtype)
+        return (self.ops or elementwise).gated_rms_norm(x, z, self.weight, self.eps)
 
 
 class PartialRoPE(nn.Module):
@@ -287,12 +288,14 @@ class PartialRoPE(nn.Module):
 
 class MLP(nn.Module):
     """Gated MLP (dense layers): down(act(gate(x)) * up(x)), gate and up projections merged.
-    SwiGLU (act = silu); a family with another gate activation overrides `act`."""
+    SwiGLU (act "silu"); a family with another gate activation overrides `act` (a name of
+    elementwise.ACTIVATIONS). act(g) * u is the backend's (`ops`) fused op."""
 
-    act = staticmethod(F.silu)
+    act = "silu"
 
-    def __init__(self, hidden: int, intermediate: int, tp: TP):
+    def __init__(self, hidden: int, intermediate: int, tp: TP, ops=None):
         super().__init__()
+        self.ops = ops
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden, [("gate_proj", intermediate, 1, False), ("up_proj", intermediate, 1, False)], tp)
         self.down_proj = RowParallelLinear(intermediate, hidden, tp)
@@ -300,4 +303,4 @@ class MLP(nn.Module):
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens hidden"]:
         g, u = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(g) * u)
+        return self.down_proj((self.ops or elementwise).act_mul(g, u, self.act))

@@ -38,6 +38,7 @@ from torch import nn
 
 from ..parallel import TP
 from ..shapes import Float, Int, Tensor, checked
+from . import elementwise
 from .fp8_layout import Columns, FP8Rows
 from .layers import linear
 from .moe_experts import moe_experts
@@ -191,7 +192,7 @@ class SparseMoE(nn.Module):
     def _shared_act(self, h: Float[Tensor, "num_tokens _"]) -> Float[Tensor, "num_tokens _"]:
         """sigmoid(gate) * silu(g) * u of the shared expert, from w_in's output."""
         E, S = self.num_experts, self.shared_range[1]
-        return F.silu(h[:, E + 1:E + 1 + S]) * h[:, E + 1 + S:] * torch.sigmoid(h[:, E:E + 1])
+        return (self.ops or elementwise).act_mul(h[:, E + 1:E + 1 + S], h[:, E + 1 + S:], "silu", h[:, E:E + 1])
 
     def _local(self, experts: Int[Tensor, "num_tokens topk"], weights: Float[Tensor, "num_tokens topk"]
                ) -> tuple[Int[Tensor, "_"], Float[Tensor, "num_tokens topk"]]:

@@ -143,8 +143,7 @@ class FullAttention(nn.Module):
                                                 meta.seq_lens, meta.block_tables[pool], self.scale,
                                                 max_seq_len=meta.max_seq_len,
                                                 kv_slots=None if meta.kv_slots is None else meta.kv_slots[pool])
-        o = o.reshape(-1, hq * hd) * torch.sigmoid(gate)
-        return self.o_proj(o)
+        return self.o_proj(self.ops.act_mul(gate, o.reshape(-1, hq * hd), "sigmoid"))   # o * sigmoid(gate)
 
 
 class GatedDeltaNet(nn.Module):
@@ -178,7 +177,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.W), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.hv), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
-        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, ops)
         self.out_proj = RowParallelLinear(cfg.value_dim, H, tp)
 
     @checked
@@ -250,30 +249,37 @@ class DecoderLayer(nn.Module):
                                  cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size,
                                  cfg.norm_topk_prob, tp, ops)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"], meta: Metadata,
-                cache: CacheTensors) -> Float[Tensor, "num_tokens hidden"]:
-        h = self.input_layernorm(x)
+                cache: CacheTensors, residual: Float[Tensor, "num_tokens hidden"] | None = None
+                ) -> tuple[Float[Tensor, "num_tokens hidden"], Float[Tensor, "num_tokens hidden"]]:
+        """(h, residual): the layer's output hidden state is residual + h, an add left to the
+        next norm, which does it in the same fused op (so does this layer's input norm with
+        the previous layer's pair; `residual` None: x is the hidden state)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
         if self.kind == FULL:
             h = self.self_attn(h, positions, meta, cache)
         else:
             h = self.linear_attn(h, meta, cache)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
     @checked
     def forward_rows(self, x: Float[Tensor, "num_tokens hidden"], positions: Int[Tensor, "num_tokens"],
                      slot_mappings: Int[Tensor, "kv_pools num_tokens"], cache: CacheTensors,
-                     rows: Int[Tensor, "num_reqs_padded"],
-                     row_meta: UniformMetadata) -> Float[Tensor, "num_reqs_padded hidden"]:
-        """A full-attention layer's output at the tokens `rows` only (every token's K/V written)."""
+                     rows: Int[Tensor, "num_reqs_padded"], row_meta: UniformMetadata
+                     ) -> tuple[Float[Tensor, "num_reqs_padded hidden"], Float[Tensor, "num_reqs_padded hidden"]]:
+        """A full-attention layer's (h, residual) at the tokens `rows` only (every token's K/V written)."""
         h = self.self_attn.forward_rows(self.input_layernorm(x), positions, slot_mappings, cache, rows, row_meta)
-        x = x[rows] + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm(h, x[rows])
+        return self.mlp(h), residual
 
 
 class MTPModule(nn.Module):
@@ -284,13 +290,13 @@ class MTPModule(nn.Module):
     def __init__(self, cfg: Qwen3NextConfig, tp: TP, ops: AttnBackend):
         super().__init__()
         H = cfg.hidden_size
-        self.pre_fc_norm_embedding = RMSNorm(H, cfg.rms_norm_eps)
-        self.pre_fc_norm_hidden = RMSNorm(H, cfg.rms_norm_eps)
+        self.pre_fc_norm_embedding = RMSNorm(H, cfg.rms_norm_eps, ops)
+        self.pre_fc_norm_hidden = RMSNorm(H, cfg.rms_norm_eps, ops)
         self.fc = Linear(2 * H, H, tp)  # replicated (small); its decoder layer is sharded as the target's
         self.layers = nn.ModuleList([
             DecoderLayer(cfg, FULL, cfg.num_experts > 0, MTP_KV_GROUP, i, tp, ops)
             for i in range(cfg.num_nextn_predict_layers)])
-        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps, ops)
 
     @checked
     def forward(self, embeds: Float[Tensor, "num_tokens hidden"], hidden: Float[Tensor, "num_tokens hidden"],
@@ -298,7 +304,7 @@ class MTPModule(nn.Module):
                 ) -> Float[Tensor, "num_tokens hidden"]:
         # num_spec may exceed the layer count: the layers are reused in turn.
         layer = self.layers[step % len(self.layers)]
-        return self.norm(layer(self._input(embeds, hidden), positions, meta, cache))
+        return self.norm(*layer(self._input(embeds, hidden), positions, meta, cache))[0]
 
     @checked
     def forward_rows(self, embeds: Float[Tensor, "num_tokens hidden"], hidden: Float[Tensor, "num_tokens hidden"],
@@ -307,8 +313,8 @@ class MTPModule(nn.Module):
                      ) -> Float[Tensor, "num_reqs_padded hidden"]:
         """The first pass (layer 0): every token's K/V written at its slot, the output only at
         the tokens `rows`."""
-        return self.norm(self.layers[0].forward_rows(self._input(embeds, hidden), positions, slot_mappings, cache,
-                                                     rows, row_meta))
+        return self.norm(*self.layers[0].forward_rows(self._input(embeds, hidden), positions, slot_mappings, cache,
+                                                      rows, row_meta))[0]
 
     def _input(self, embeds: Float[Tensor, "num_tokens hidden"], hidden: Float[Tensor, "num_tokens hidden"]
                ) -> Float[Tensor, "num_tokens hidden"]:
@@ -332,7 +338,7 @@ class Qwen3NextForCausalLM(nn.Module):
             group = KV_GROUP if kind == FULL else STATE_GROUP
             layers.append(DecoderLayer(cfg, kind, cfg.is_moe_layer(i), group, idx, tp, ops))
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps, ops)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(Vp, H), requires_grad=False)
         self.mtp = MTPModule(cfg, tp, ops) if with_mtp else None
 
@@ -390,10 +396,10 @@ class Qwen3NextForCausalLM(nn.Module):
     def forward(self, token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
                 meta: Metadata, cache: CacheTensors) -> Float[Tensor, "num_tokens hidden"]:
         """Final (post-norm) hidden states of every token; writes KV and GDN state."""
-        x = self.embed(token_ids)
+        x, residual = self.embed(token_ids), None
         for layer in self.layers:
-            x = layer(x, positions, meta, cache)
-        return self.norm(x)
+            x, residual = layer(x, positions, meta, cache, residual)
+        return self.norm(x, residual)[0]
 
     @checked
     def mtp_forward(self, token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
