@@ -126,13 +126,20 @@ def calls(dtype=torch.bfloat16, bundles=(1, 3, 4), prefill=True):
                            qa, kc, kc, torch.full((R,), ctx, dtype=torch.int64),
                            torch.zeros(R, nb, dtype=torch.int64), D ** -0.5, window, cap, ctx))
     # The fused MoE at Qwen3-Next's expert shapes (512 experts of 512 x 2048, top 10): one
-    # token, one bundle of 4, eight bundles of 4.
+    # token, one bundle of 4, eight and 64 bundles of 4.
     E, I, Hd, K = 512, 512, 2048, 10
     w13, w_down = torch.zeros(E, 2 * I, Hd, dtype=dtype), torch.zeros(E, I, Hd, dtype=dtype)
-    for T in (1, 4, 32):
+    for T in (1, 4, 32, 256):   # 256: 64 bundles of 4, tiles of 64 tokens
         out.append(lambda T=T: triton_moe.moe_experts(
             torch.zeros(T, Hd, dtype=dtype), w13, w_down, torch.arange(T * K).view(T, K) % E,
             torch.zeros(T, K, dtype=dtype)))
+    # Gemma 4 26B-A4B's experts (128 of 704 x 2816, top 8, gelu_tanh): a bundle of 4, 8 bundles.
+    E, I, Hd, K = 128, 704, 2816, 8
+    g13, g_down = torch.zeros(E, 2 * I, Hd, dtype=dtype), torch.zeros(E, I, Hd, dtype=dtype)
+    for T in (4, 32):
+        out.append(lambda T=T: triton_moe.moe_experts(
+            torch.zeros(T, Hd, dtype=dtype), g13, g_down, torch.arange(T * K).view(T, K) % E,
+            torch.zeros(T, K, dtype=dtype), "gelu_tanh"))
     out += glue_calls(dtype)
     if not prefill:
         return out

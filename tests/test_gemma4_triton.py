@@ -29,9 +29,8 @@ CFG = dict(G.CONFIGS["dense"], num_hidden_layers=4, layer_types=[S, F, S, F], sl
 PROMPT_LENS = (5, 11, 3)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    G.CONFIGS["triton"] = CFG
+def _checkpoint(tmp_path_factory, cfg):
+    G.CONFIGS["triton"] = cfg
     try:
         model = G.build_hf("triton")
     finally:
@@ -41,7 +40,12 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def _generate(path, backend):
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return _checkpoint(tmp_path_factory, CFG)
+
+
+def _generate(path, backend, on_llm=lambda llm: None):
     """Greedy tokens and every logits row the run computed (prefill and verify steps)."""
     import mtpkit
     llm = mtpkit.LLM(path, dtype="float32", device="cpu", attn_backend=backend, max_num_seqs=4, max_model_len=64,
@@ -53,6 +57,7 @@ def _generate(path, backend):
     sliding, freed = llm.kv_pools["sliding_4"], []
     orig_free = sliding.free
     sliding.free = lambda blocks: freed.extend(blocks) or orig_free(blocks)
+    on_llm(llm)
     outs = llm.generate(prompts, mtpkit.SamplingParams(max_tokens=10, ignore_eos=True))
     assert len(freed) > sliding.num_blocks, "blocks were meant to be recycled while the requests ran"
     return [o.token_ids for o in outs], captured
@@ -65,5 +70,31 @@ def test_triton_backend_matches_torch_greedy(checkpoint):
     # The same schedule, so the same logits rows, equal to fp32 rounding (a window one key
     # too wide moves them by ~1e-1 of the scale).
     assert [x.shape for x in logits] == [x.shape for x in ref_logits]
+    for got, want in zip(logits, ref_logits):
+        assert ((got - want).abs().amax(-1) / want.abs().amax(-1)).max() < 1e-4
+
+
+def test_moe_variant_runs_the_fused_experts_with_gelu_tanh(tmp_path_factory):
+    """The MoE variant (8 experts, top 2, gelu-tanh experts): the torch backend computes every
+    expert for a step's tokens, the Triton backend gathers the chosen ones through its fused
+    kernel (act gelu_tanh) at every step; the same greedy tokens and logits."""
+    import dataclasses
+
+    from mtpkit.models.gemma4 import Gemma4Experts
+
+    path = _checkpoint(tmp_path_factory, dict(G.CONFIGS["moe"], sliding_window=4))
+    acts = []
+
+    def count(llm):
+        for m in llm.model.modules():
+            if isinstance(m, Gemma4Experts):
+                fn = m.ops.moe_experts
+                m.ops = dataclasses.replace(m.ops, moe_experts=lambda *a, _fn=fn: acts.append(a[-1]) or _fn(*a))
+    tokens, logits = _generate(path, "triton", count)
+    assert acts and set(acts) == {"gelu_tanh"}
+    n = len(acts)
+    ref_tokens, ref_logits = _generate(path, "torch", count)
+    assert len(acts) == n, "the torch backend computes every expert at these sizes"
+    assert tokens == ref_tokens
     for got, want in zip(logits, ref_logits):
         assert ((got - want).abs().amax(-1) / want.abs().amax(-1)).max() < 1e-4

@@ -90,6 +90,65 @@ def test_fused_moe_matches_reference(kernel, dtype, T, K, kind):
         assert torch.all(got[T // 2:] == 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,K,kind", [(4, 2, "spread"), (12, 3, "repeat"), (70, 2, "same")])
+def test_fused_moe_gelu_tanh_and_runs_longer_than_a_tile(kernel, dtype, T, K, kind):
+    """Gemma 4's experts (act gelu_tanh) against the reference; 70 tokens on the same experts
+    make runs longer than the kernel's 64-token tile (two passes over one expert)."""
+    g = torch.Generator().manual_seed(T * 10 + K)
+    w13, w_down = weights_of(g, dtype, strided=True)
+    x = torch.randn(T, H, generator=g).to(dtype).to(DEVICE)
+    experts, weights = routing(kind, T, K, g)
+    weights = weights.to(dtype).to(DEVICE)
+    act = "gelu_tanh" if T < 70 else "silu"
+    got = kernel.moe_experts(x, w13, w_down, experts, weights, act)
+    want = ref.moe_experts(x.double(), w13.double(), w_down.double(), experts, weights.double(), act)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got.double(), want, **tol)
+    if T == 70:  # the same for gelu_tanh over the long runs
+        got = kernel.moe_experts(x, w13, w_down, experts, weights, "gelu_tanh")
+        want = ref.moe_experts(x.double(), w13.double(), w_down.double(), experts, weights.double(), "gelu_tanh")
+        torch.testing.assert_close(got.double(), want, **tol)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_a_fused_backend_gathers_where_the_torch_one_computes_every_expert(kernel, act):
+    """A step of 8 tokens x top 4 of 16 experts: the torch backend computes every expert
+    (gathering each pair's expert would copy more than the weights), a backend whose
+    moe_experts reads each touched expert once (fused_moe) runs it on the sparse path (8 x 16
+    is below dense_limit: no grouped loop, as in a captured step); the same output."""
+    import dataclasses
+
+    from mtpkit.attn.backend import TORCH
+    from mtpkit.models.moe import SparseMoE
+    from mtpkit.parallel import TP
+
+    torch.manual_seed(0)
+    ran = []
+
+    def counted(*a, _fn=kernel.moe_experts):
+        ran.append(a[-1])
+        return _fn(*a)
+    fused = dataclasses.replace(TORCH, moe_experts=counted, fused_moe=True)
+    outs = {}
+    for name, ops in (("torch", TORCH), ("fused", fused)):
+        moe = SparseMoE(hidden=32, num_experts=16, topk=4, intermediate=24, shared_intermediate=16,
+                        norm_topk=True, tp=TP.single(), ops=ops)
+        moe.act = act
+        for prm in moe.parameters():
+            prm.data = torch.randn(prm.shape, generator=torch.Generator().manual_seed(prm.numel())) * 0.3
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+        paths = []
+        for path in ("_dense", "_sparse"):
+            fn = getattr(moe, path)
+            setattr(moe, path, lambda *a, _fn=fn, _p=path: paths.append(_p) or _fn(*a))
+        with torch.no_grad():
+            outs[name] = moe(x)
+        assert paths == (["_dense"] if name == "torch" else ["_sparse"]), (name, paths)
+    assert ran == [act]
+    torch.testing.assert_close(outs["fused"], outs["torch"], atol=1e-4, rtol=1e-4)
+
+
 def test_fp64_goes_to_the_reference(kernel):
     g = torch.Generator().manual_seed(0)
     w13, w_down = weights_of(g, torch.float64, strided=False)

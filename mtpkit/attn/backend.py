@@ -31,6 +31,9 @@ class AttnBackend:
     # The routed experts of a fixed-shape MoE step (SparseMoE's sparse path): not attention,
     # but chosen with the same backend (a fused Triton kernel on GPU).
     moe_experts: Callable = moe_ref.moe_experts
+    # moe_experts reads each touched expert once per call, however many tokens chose it (a fused
+    # kernel): SparseMoE then gathers at every captured step size instead of computing every expert.
+    fused_moe: bool = False
     # The KV slots a uniform step's attention gathers (paged.verify_gather), when the backend's
     # paged_attention_verify reads them (`kv_slots`, `kv_pos`): the same for every layer of a KV
     # pool, so a model computes them once per step. None: the kernel walks the block table.

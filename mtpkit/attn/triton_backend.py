@@ -28,6 +28,7 @@ TRITON = AttnBackend(
     gated_delta_rule_prefill=triton_gdn.gated_delta_rule_prefill,
     gated_delta_rule_verify=triton_gdn.gated_delta_rule_verify,
     moe_experts=triton_moe.moe_experts,
+    fused_moe=True,
     rms_norm=triton_elementwise.rms_norm,
     add_rms_norm=triton_elementwise.add_rms_norm,
     norm_add_rms_norm=triton_elementwise.norm_add_rms_norm,

@@ -118,11 +118,11 @@ class Gemma4Experts(SparseMoE):
     experts' `per_expert_scale`. The router's input differs from the experts' (see forward),
     so the router projection (w_in) is applied to it separately."""
 
-    act = staticmethod(lambda g: F.gelu(g, approximate="tanh"))
+    act = "gelu_tanh"
 
-    def __init__(self, cfg: Gemma4Config, tp: TP):
+    def __init__(self, cfg: Gemma4Config, tp: TP, ops: AttnBackend | None = None):
         super().__init__(cfg.hidden_size, cfg.num_experts, cfg.top_k_experts, cfg.moe_intermediate_size, 0,
-                         True, tp)
+                         True, tp, ops)
         self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts), requires_grad=False)
 
     def moe_names(self, prefix: str, fp8_names) -> MoENames:
@@ -271,7 +271,7 @@ class DecoderLayer(nn.Module):
         self.moe = cfg.enable_moe_block
         if self.moe:
             self.router = Router(cfg)
-            self.experts = Gemma4Experts(cfg, tp)
+            self.experts = Gemma4Experts(cfg, tp, ops)
             for name in ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2", "pre_feedforward_layernorm_2"):
                 setattr(self, name, GemmaRMSNorm(H, eps))
         self.ple = cfg.hidden_size_per_layer_input > 0

@@ -16,7 +16,8 @@ share one down matmul.
 
 Three ways to run it, chosen by the step's shape (never by its data, so every one can be
 captured in a graph): a step choosing few experts (top-k of a handful of tokens) gathers just
-their blocks (`_sparse`: a decode step reads k experts, not all of them); a small step computes
+their blocks (`_sparse`: a decode step reads k experts, not all of them; with a fused backend
+kernel, which reads each touched expert once, every captured step does); a small step computes
 every expert (`_dense`: three matmuls); a large step (prefill, training) loops over the experts
 hit (`_grouped`, which reads the routing on the host).
 
@@ -33,7 +34,6 @@ and w_out.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..parallel import TP
@@ -167,8 +167,13 @@ class SparseMoE(nn.Module):
     # with few experts the dense path is faster even for one token; with hundreds of experts
     # a decode step reads a hundredth of the weights.
     sparse_share: int = 8
-    # The experts' activation (Gemma 4's experts use gelu-tanh).
-    act = staticmethod(F.silu)
+    # The experts' activation, by name (elementwise.ACTIVATIONS; Gemma 4's experts use
+    # gelu_tanh): the fused kernel takes the name, the torch paths `activation`.
+    act: str = "silu"
+
+    @property
+    def activation(self):
+        return elementwise.ACTIVATIONS[self.act]
 
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens hidden"]:
@@ -181,9 +186,14 @@ class SparseMoE(nn.Module):
         (a CUDA capture would fail; a CPU trace would replay the routing it was traced with)."""
         capturing = torch.jit.is_tracing() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
         T, fp8 = x.shape[0], self.fp8
+        # A fused backend kernel reads each touched expert once however many tokens chose it,
+        # so gathering beats computing every expert at any step size (a batch of 8 bundles of 4
+        # with top 10 of 512 experts touches about half of them); the torch gather copies each
+        # pair's expert, which pays only when the pairs are few against the experts.
+        fused = fp8 is None and self.ops is not None and self.ops.fused_moe
         if not capturing and T * self.num_experts > self.dense_limit:
             out = self._grouped(x, h) if fp8 is None else fp8.grouped(self, x, h)
-        elif T * self.topk * self.sparse_share <= self.num_local:
+        elif fused or T * self.topk * self.sparse_share <= self.num_local:
             out = self._sparse(x, h) if fp8 is None else fp8.sparse(self, x, h)
         else:
             out = self._dense(x, h) if fp8 is None else fp8.dense(self, x, h)
@@ -210,7 +220,7 @@ class SparseMoE(nn.Module):
         weights, experts = self.route(h[:, :E])
         gate = torch.zeros(T, E, dtype=x.dtype, device=x.device).scatter(1, experts, weights)
         gu = linear(x, self.w13.view(nl * 2 * I, -1)).view(T, nl, 2, I)
-        act = self.act(gu[:, :, 0]) * gu[:, :, 1] * gate[:, self.first:self.first + nl, None]   # [T, nl, I]
+        act = self.activation(gu[:, :, 0]) * gu[:, :, 1] * gate[:, self.first:self.first + nl, None]   # [T, nl, I]
         act = act.reshape(T, nl * I)
         if self.s:
             act = torch.cat([self._shared_act(h), act], dim=1)
@@ -225,14 +235,8 @@ class SparseMoE(nn.Module):
         local, weights = self._local(experts, weights)
         # Expert e's down columns as an [I, H] block (contiguous when w_out is column-major).
         down = self.w_out[:, S:].T.view(self.num_local, I, H)
-        if self.act is F.silu:   # the backend's experts (fused on Triton)
-            run = self.ops.moe_experts if self.ops is not None else moe_experts
-            out = run(x, self.w13, down, local.view(T, K), weights)
-            return out + linear(self._shared_act(h), self.w_out[:, :S]) if self.s else out
-        xs = x.repeat_interleave(K, dim=0)[:, :, None]                              # [T*K, H, 1]
-        g, u = torch.matmul(self.w13.index_select(0, local), xs).chunk(2, dim=1)    # [T*K, I, 1]
-        act = self.act(g) * u * weights.reshape(T * K, 1, 1)
-        out = torch.matmul(act.transpose(1, 2), down.index_select(0, local)).view(T, K, H).sum(1)   # [T, H]
+        run = self.ops.moe_experts if self.ops is not None else moe_experts   # fused on Triton
+        out = run(x, self.w13, down, local.view(T, K), weights, self.act)
         return out + linear(self._shared_act(h), self.w_out[:, :S]) if self.s else out
 
     def _grouped(self, x: Float[Tensor, "num_tokens hidden"], h: Float[Tensor, "num_tokens _"]
@@ -253,7 +257,7 @@ class SparseMoE(nn.Module):
                 continue
             g, u = linear(x[tok], self.w13[local]).chunk(2, dim=-1)
             down = self.w_out[:, S + local * I:S + (local + 1) * I]
-            out.index_add_(0, tok, linear(self.act(g) * u * weights.flatten()[idx, None], down))
+            out.index_add_(0, tok, linear(self.activation(g) * u * weights.flatten()[idx, None], down))
         return out + linear(self._shared_act(h), self.w_out[:, :S]) if self.s else out
 
 

@@ -107,7 +107,7 @@ class FP8Experts(nn.Module):
         weights, experts = moe.route(h[:, :E])
         gate = torch.zeros(T, E, dtype=x.dtype, device=x.device).scatter(1, experts, weights)
         gu = self.w13.batched(x[None])                                          # [nl, T, 2I]
-        act = moe.act(gu[..., :I]) * gu[..., I:] * gate[:, moe.first:moe.first + nl].t()[:, :, None]
+        act = moe.activation(gu[..., :I]) * gu[..., I:] * gate[:, moe.first:moe.first + nl].t()[:, :, None]
         return self._finish(moe, self.down.batched(act, out_dtype=torch.float32).sum(0), h, x.dtype)
 
     def sparse(self, moe, x: Float[Tensor, "num_tokens hidden"], h: Float[Tensor, "num_tokens _"]
@@ -116,7 +116,7 @@ class FP8Experts(nn.Module):
         weights, experts = moe.route(h[:, :E])
         local, weights = moe._local(experts, weights)
         gu = self.w13.batched(x.repeat_interleave(K, dim=0)[:, None], local)   # [T*K, 1, 2I]
-        act = moe.act(gu[..., :I]) * gu[..., I:] * weights.reshape(T * K, 1, 1)
+        act = moe.activation(gu[..., :I]) * gu[..., I:] * weights.reshape(T * K, 1, 1)
         out = self.down.batched(act, local, torch.float32).view(T, K, -1).sum(1)
         return self._finish(moe, out, h, x.dtype)
 
@@ -137,6 +137,6 @@ class FP8Experts(nn.Module):
                 continue
             one = torch.full((1,), local, dtype=torch.int64, device=x.device)
             gu = self.w13.batched(x[tok][None], one)[0]
-            act = moe.act(gu[:, :I]) * gu[:, I:] * weights.flatten()[idx, None]
+            act = moe.activation(gu[:, :I]) * gu[:, I:] * weights.flatten()[idx, None]
             out.index_add_(0, tok, self.down.batched(act[None], one, torch.float32)[0])
         return self._finish(moe, out, h, x.dtype)

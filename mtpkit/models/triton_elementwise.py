@@ -153,7 +153,20 @@ def gated_rms_norm(x: Float[Tensor, "num_tokens v_heads v_dim"], z: Float[Tensor
     return out
 
 
-_ACTS = {"silu": 0, "gelu_tanh": 1, "sigmoid": 2}
+ACTS = {"silu": 0, "gelu_tanh": 1, "sigmoid": 2}   # elementwise.ACTIVATIONS by number
+
+
+@triton.jit
+def activation(x, ACT: tl.constexpr):
+    """ACTS[name] of fp32 x (the fused MoE's experts use it too)."""
+    if ACT == 0:
+        a = x * tl.sigmoid(x)
+    elif ACT == 1:   # gelu, tanh approximation: 0.5 x (1 + tanh(y)) = x sigmoid(2y), no cancellation near -1
+        y = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        a = x * tl.sigmoid(2.0 * y)
+    else:
+        a = tl.sigmoid(x)
+    return a
 
 
 @triton.jit
@@ -164,13 +177,7 @@ def _act_mul_kernel(g, u, rg, out, N, sg, su, sr, ACT: tl.constexpr, ROW_GATE: t
     m = cols < N
     gv = tl.load(g + row * sg + cols, mask=m, other=0.0).to(tl.float32)
     uv = tl.load(u + row * su + cols, mask=m, other=0.0).to(tl.float32)
-    if ACT == 0:
-        a = gv * tl.sigmoid(gv)
-    elif ACT == 1:   # gelu, tanh approximation: 0.5 x (1 + tanh(y)) = x sigmoid(2y), no cancellation near -1
-        y = 0.7978845608028654 * (gv + 0.044715 * gv * gv * gv)
-        a = gv * tl.sigmoid(2.0 * y)
-    else:
-        a = tl.sigmoid(gv)
+    a = activation(gv, ACT)
     o = _rounded(_rounded(a, DT) * uv, DT)
     if ROW_GATE:
         o = o * _rounded(tl.sigmoid(tl.load(rg + row * sr).to(tl.float32)), DT)
@@ -189,6 +196,6 @@ def act_mul(g: Float[Tensor, "num_tokens gated_dim"], u: Float[Tensor, "num_toke
     BN = min(1024, triton.next_power_of_2(N))
     _act_mul_kernel[(T, triton.cdiv(N, BN))](
         g, u, g if row_gate is None else row_gate, out, N, g.stride(0), u.stride(0),
-        0 if row_gate is None else row_gate.stride(0), ACT=_ACTS[act], ROW_GATE=row_gate is not None, BN=BN,
+        0 if row_gate is None else row_gate.stride(0), ACT=ACTS[act], ROW_GATE=row_gate is not None, BN=BN,
         num_warps=4)
     return out
