@@ -45,7 +45,8 @@ def checkpoint(tmp_path_factory):
     return _checkpoint(tmp_path_factory, CFG)
 
 
-def _generate(path, backend, on_llm=lambda llm: None):
+def _generate(path, backend, on_llm=lambda llm: None, prompt_lens=PROMPT_LENS, max_tokens=10,
+              recycled=True):
     """Greedy tokens and every logits row the run computed (prefill and verify steps)."""
     import mtpkit
     llm = mtpkit.LLM(path, dtype="float32", device="cpu", attn_backend=backend, max_num_seqs=4, max_model_len=64,
@@ -53,13 +54,13 @@ def _generate(path, backend, on_llm=lambda llm: None):
     assert llm.model.layers[0].self_attn.ops.name == backend
     captured, orig = [], llm.model.compute_logits
     llm.model.compute_logits = lambda h: captured.append(orig(h)) or captured[-1]
-    prompts = [O.random_prompt(n, 128, seed=n) for n in PROMPT_LENS]
+    prompts = [O.random_prompt(n, 128, seed=n) for n in prompt_lens]
     sliding, freed = llm.kv_pools["sliding_4"], []
     orig_free = sliding.free
     sliding.free = lambda blocks: freed.extend(blocks) or orig_free(blocks)
     on_llm(llm)
-    outs = llm.generate(prompts, mtpkit.SamplingParams(max_tokens=10, ignore_eos=True))
-    assert len(freed) > sliding.num_blocks, "blocks were meant to be recycled while the requests ran"
+    outs = llm.generate(prompts, mtpkit.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    assert not recycled or len(freed) > sliding.num_blocks, "blocks were meant to be recycled while the requests ran"
     return [o.token_ids for o in outs], captured
 
 
@@ -90,10 +91,11 @@ def test_moe_variant_runs_the_fused_experts_with_gelu_tanh(tmp_path_factory):
             if isinstance(m, Gemma4Experts):
                 fn = m.ops.moe_experts
                 m.ops = dataclasses.replace(m.ops, moe_experts=lambda *a, _fn=fn: acts.append(a[-1]) or _fn(*a))
-    tokens, logits = _generate(path, "triton", count)
+    short = dict(prompt_lens=(11, 3), max_tokens=6, recycled=False)   # the experts are the point here
+    tokens, logits = _generate(path, "triton", count, **short)
     assert acts and set(acts) == {"gelu_tanh"}
     n = len(acts)
-    ref_tokens, ref_logits = _generate(path, "torch", count)
+    ref_tokens, ref_logits = _generate(path, "torch", count, **short)
     assert len(acts) == n, "the torch backend computes every expert at these sizes"
     assert tokens == ref_tokens
     for got, want in zip(logits, ref_logits):

@@ -202,9 +202,12 @@ def test_fp64_goes_to_the_reference(kernel):
 GLUE = ("rms_norm", "add_rms_norm", "norm_add_rms_norm", "norm_add", "gated_rms_norm", "act_mul")
 
 
-def _counting_triton(monkeypatch):
-    """The Triton backend with every glue entry point counting its calls."""
-    from mtpkit.attn import triton_backend
+def _counting_glue(monkeypatch):
+    """Backend "glue": the torch backend with the Triton glue kernels, every glue entry point
+    counting its calls. Only the glue differs from the torch run (the whole Triton backend's
+    engine runs are tests/test_triton_moe.py's and test_gemma4_triton.py's), and the
+    interpreter runs no attention-side kernel, which keeps the test short."""
+    from mtpkit.attn import backend, triton_backend
 
     counts = dict.fromkeys(GLUE, 0)
 
@@ -216,8 +219,8 @@ def _counting_triton(monkeypatch):
             return fn(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(triton_backend, "TRITON",
-                        dataclasses.replace(triton_backend.TRITON, **{n: counted(n) for n in GLUE}))
+    glue = dataclasses.replace(backend.TORCH, name="glue", **{n: counted(n) for n in GLUE})
+    monkeypatch.setitem(backend._REGISTRY, "glue", lambda: glue)
     return counts
 
 
@@ -253,8 +256,8 @@ def test_engine_qwen3_next_fused_glue(kernel, tmp_path, monkeypatch):
     O.save_checkpoint(model, tmp_path, mtp_state=O.make_mtp_state_dict("full_first_dense1", seed=0))
     lens = (5, 11, 3, 7)
     ref_run = _generate(tmp_path, "torch", lens, num_spec=2)
-    counts = _counting_triton(monkeypatch)
-    _assert_same_run(_generate(tmp_path, "triton", lens, num_spec=2), ref_run)
+    counts = _counting_glue(monkeypatch)
+    _assert_same_run(_generate(tmp_path, "glue", lens, num_spec=2), ref_run)
     used = {n for n, c in counts.items() if c}
     assert used == {"rms_norm", "add_rms_norm", "gated_rms_norm", "act_mul"}, counts
 
@@ -267,7 +270,7 @@ def test_engine_gemma4_fused_glue(kernel, tmp_path, monkeypatch):
 
     G.save(G.build_hf("e2b").to(torch.float32), tmp_path)
     ref_run = _generate(tmp_path, "torch")
-    counts = _counting_triton(monkeypatch)
-    _assert_same_run(_generate(tmp_path, "triton"), ref_run)
+    counts = _counting_glue(monkeypatch)
+    _assert_same_run(_generate(tmp_path, "glue"), ref_run)
     used = {n for n, c in counts.items() if c}
     assert used == {"rms_norm", "norm_add_rms_norm", "norm_add", "act_mul"}, counts
