@@ -37,20 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_fp8  # noqa: E402
-
-
-def real_config(layers: int, experts: int) -> dict:
-    # Qwen/Qwen3-Next-80B-A3B-Instruct, fewer layers (3:1 GDN : full attention).
-    return dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048,
-                num_hidden_layers=layers, full_attention_interval=4, num_attention_heads=16,
-                num_key_value_heads=2, head_dim=256, intermediate_size=5120,
-                linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-                linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=experts,
-                num_experts_per_tok=10, moe_intermediate_size=512,
-                shared_expert_intermediate_size=512, norm_topk_prob=True, decoder_sparse_step=1,
-                mlp_only_layers=[], rms_norm_eps=1e-6, max_position_embeddings=262144,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-                tie_word_embeddings=False, eos_token_id=151645, dtype="bfloat16")
+from roofline_configs import qwen3_next_config  # noqa: E402
 
 
 def run(llm, prompts, max_tokens):
@@ -257,7 +244,7 @@ def main() -> int:
         return 2
     path = Path(tempfile.mkdtemp()) / "qwen3-next-real-shapes"
     path.mkdir()
-    (path / "config.json").write_text(json.dumps(real_config(args.layers, args.experts)))
+    (path / "config.json").write_text(json.dumps(qwen3_next_config(args.layers, args.experts)))
     name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(f"device {name}, torch {torch.__version__}", flush=True)
     ok = True

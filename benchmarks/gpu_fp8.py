@@ -37,11 +37,11 @@ NOT_CONVERTED = ["lm_head", "embed_tokens", "mlp.gate", "mlp.shared_expert_gate"
 
 
 def qwen_config(layers: int, experts: int, vocab: int, tiny: bool) -> dict:
-    """Qwen3-Next-80B-A3B's widths (benchmarks/gpu_check.py), `layers` layers (the last full
+    """Qwen3-Next-80B-A3B's widths (benchmarks/roofline_configs.py), `layers` layers (the last full
     attention, the others GDN); `tiny`: small widths for a CPU dry run."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from gpu_check import real_config
-    raw = real_config(layers, experts)
+    from roofline_configs import qwen3_next_config
+    raw = qwen3_next_config(layers, experts)
     raw.update(vocab_size=vocab, layer_types=["linear_attention"] * (layers - 1) + ["full_attention"],
                num_nextn_predict_layers=1, max_position_embeddings=4096)
     raw.pop("full_attention_interval")

@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from ..shapes import Float, Tensor, checked
 
 
-def _float(x: Tensor) -> Tensor:
+# The three helpers below take any shape (they act on dtypes and on the last dim: Gemma's
+# q/k/v norms run norm_last_dim on [num_tokens, heads, head_dim]), so their tensors are plain.
+def as_float(x: Tensor) -> Tensor:
     """fp32 for the norms' arithmetic (fp64 stays fp64); no op when already so."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
@@ -28,9 +30,9 @@ def _cast(y: Tensor, dtype: torch.dtype) -> Tensor:
     return y if y.dtype == dtype else y.to(dtype)
 
 
-def _norm(x: Tensor, weight: Tensor | None, eps: float, zero_centred: bool) -> Tensor:
+def norm_last_dim(x: Tensor, weight: Tensor | None, eps: float, zero_centred: bool) -> Tensor:
     """RMSNorm over the last dim in fp32, cast back to x's dtype (layers.RMSNorm, GemmaRMSNorm)."""
-    xf = _float(x)
+    xf = as_float(x)
     w = None if weight is None else _cast(weight, xf.dtype)
     if zero_centred:
         w = w + 1.0
@@ -41,7 +43,7 @@ def _norm(x: Tensor, weight: Tensor | None, eps: float, zero_centred: bool) -> T
 def rms_norm(x: Float[Tensor, "num_tokens hidden"], weight: Float[Tensor, "hidden"], eps: float,
              zero_centred: bool) -> Float[Tensor, "num_tokens hidden"]:
     """norm(x) * (1 + w) (zero_centred, Qwen3-Next) or norm(x) * w (Gemma)."""
-    return _norm(x, weight, eps, zero_centred)
+    return norm_last_dim(x, weight, eps, zero_centred)
 
 
 @checked
@@ -50,7 +52,7 @@ def add_rms_norm(x: Float[Tensor, "num_tokens hidden"], residual: Float[Tensor, 
                  ) -> tuple[Float[Tensor, "num_tokens hidden"], Float[Tensor, "num_tokens hidden"]]:
     """(norm(s), s) with s = residual + x rounded to the activation dtype (the residual stream)."""
     s = residual + x
-    return _norm(s, weight, eps, zero_centred), s
+    return norm_last_dim(s, weight, eps, zero_centred), s
 
 
 @checked
@@ -58,8 +60,8 @@ def norm_add_rms_norm(x: Float[Tensor, "num_tokens hidden"], residual: Float[Ten
                       x_weight: Float[Tensor, "hidden"], weight: Float[Tensor, "hidden"], eps: float
                       ) -> tuple[Float[Tensor, "num_tokens hidden"], Float[Tensor, "num_tokens hidden"]]:
     """Gemma's sandwich after attention: s = residual + norm(x) * x_weight, then (norm(s) * weight, s)."""
-    s = residual + _norm(x, x_weight, eps, False)
-    return _norm(s, weight, eps, False), s
+    s = residual + norm_last_dim(x, x_weight, eps, False)
+    return norm_last_dim(s, weight, eps, False), s
 
 
 @checked
@@ -67,7 +69,7 @@ def norm_add(x: Float[Tensor, "num_tokens hidden"], residual: Float[Tensor, "num
              x_weight: Float[Tensor, "hidden"], eps: float, scalar: Float[Tensor, "1"] | None
              ) -> Float[Tensor, "num_tokens hidden"]:
     """Gemma's end of a layer: (residual + norm(x) * x_weight) [* layer_scalar]."""
-    s = residual + _norm(x, x_weight, eps, False)
+    s = residual + norm_last_dim(x, x_weight, eps, False)
     return s if scalar is None else s * scalar
 
 

@@ -17,6 +17,7 @@ from ..engine.cache_spec import CacheSpec, KVGroup
 from ..errors import ConfigError
 from ..parallel import TP
 from ..shapes import Float, Int, Tensor, checked
+from . import elementwise
 from .gemma4_config import FULL, Gemma4Config
 from .layers import (MLP, ColumnParallelLinear, Linear, MergedColumnParallelLinear, PartialRoPE, RowParallelLinear,
                      vocab_parallel_embedding, vocab_parallel_logits)
@@ -78,11 +79,8 @@ class GemmaRMSNorm(nn.Module):
         self.eps, self.normalized_dim = eps, dim
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False) if with_scale else None
 
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        w = None if self.weight is None else self.weight.to(xf.dtype)
-        y = F.rms_norm(xf, (xf.shape[-1],), w, self.eps)
-        return y if y.dtype == x.dtype else y.to(x.dtype)
+    def forward(self, x: Tensor) -> Tensor:   # any leading dims (hidden states, heads)
+        return elementwise.norm_last_dim(x, self.weight, self.eps, False)
 
     def scale(self, dtype: torch.dtype) -> Tensor:
         """The weight in `dtype` (ones without one)."""

@@ -28,7 +28,9 @@ from .weights import WeightSpec, inverse, narrow, read, shard_range
 
 
 class Linear(nn.Module):
-    """y = x W^T, W [out, in]. Replicated: every rank holds all of W."""
+    """y = x W^T, W [out, in]. Replicated: every rank holds all of W. The family's forward
+    takes any leading dims ([num_tokens, in], [rows, heads, in], ...), so its x is a plain
+    Tensor; the modules that call it name the dims."""
 
     shard_dim: int | None = None  # weight dim split across TP ranks (0: out, 1: in)
     replicate_blocks = False      # fewer blocks than ranks: replicate blocks instead of refusing
@@ -187,12 +189,6 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     return torch.mm(x, w.t()) if x.dim() == 2 else F.linear(x, w)
 
 
-def _float(x: Tensor) -> Tensor:
-    """fp32 for the norms' arithmetic (fp64 stays fp64); no op when already so. Any shape:
-    a dtype helper of the shape-polymorphic norms."""
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
-
-
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm of Qwen3-Next: y = norm(x) * (1 + w), in fp32, cast back at the end.
     With a residual it is also the residual add before the norm (one fused op on Triton):
@@ -209,7 +205,10 @@ class RMSNorm(nn.Module):
         w = self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
         return w + 1.0
 
-    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    @checked
+    def forward(self, x: Float[Tensor, "num_tokens hidden"], residual: Float[Tensor, "num_tokens hidden"] | None = None
+                ) -> Float[Tensor, "num_tokens hidden"] | tuple[Float[Tensor, "num_tokens hidden"],
+                                                              Float[Tensor, "num_tokens hidden"]]:
         ops = self.ops or elementwise
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps, True)
@@ -225,7 +224,7 @@ def rms_norm_heads(x: Float[Tensor, "num_tokens qk_heads head_dim"], norms: list
     plus the slices and the cat. The scales are constants in a traced graph."""
     if len({n.eps for n, _ in norms}) > 1:
         raise ValueError("rms_norm_heads: the norms' eps differ")
-    xf = _float(x)
+    xf = elementwise.as_float(x)
     scale = torch.cat([n.scale(xf.dtype).expand(h, x.shape[-1]) for n, h in norms])
     y = F.rms_norm(xf, (x.shape[-1],), None, norms[0][0].eps) * scale
     return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -240,7 +239,9 @@ class GatedRMSNorm(nn.Module):
         self.eps, self.ops = eps, ops
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def forward(self, x: Tensor, z: Tensor) -> Tensor:
+    @checked
+    def forward(self, x: Float[Tensor, "num_tokens v_heads v_dim"], z: Float[Tensor, "num_tokens v_heads v_dim"]
+                ) -> Float[Tensor, "num_tokens v_heads v_dim"]:
         return (self.ops or elementwise).gated_rms_norm(x, z, self.weight, self.eps)
 
 
