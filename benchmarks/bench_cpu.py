@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # training/ is not installed
 
 from mtpkit import LLM, SamplingParams
-from mtpkit.models.registry import resolve_model
+from mtpkit.checkpoint.hub import resolve_model
 
 def heldout_prompts(batch: int, length: int) -> list[list[int]]:
     """`length` tokens from each of the first `batch` usable held-out stdlib files (the files the
@@ -79,7 +79,7 @@ def hf_models(path):
         return Qwen3NextForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), None
     from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM
 
-    from mtpkit.models.registry import checkpoint_default_drafter
+    from mtpkit.checkpoint.hub import checkpoint_default_drafter
     target = Gemma4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assistant = Gemma4AssistantForCausalLM.from_pretrained(resolve_model(checkpoint_default_drafter(path)),
                                                            dtype=torch.float32).eval()

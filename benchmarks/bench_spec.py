@@ -17,7 +17,7 @@ import torch
 
 import mtpkit
 from mtpkit import LLM, SamplingParams
-from mtpkit.attn import metadata as md
+from mtpkit.step import metadata as md
 
 PROMPTS = [
     "def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",

@@ -24,11 +24,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # training/ is not installed
 
 import mtpkit
-from mtpkit.attn.backend import TORCH
-from mtpkit.models.qwen3_next_config import Qwen3NextConfig
-from mtpkit.models.loader import load_checkpoint
-from mtpkit.models.qwen3_next import Qwen3NextForCausalLM
-from mtpkit.models.registry import resolve_model
+from mtpkit.kernels.ops import TORCH
+from mtpkit.models.qwen3_next.config import Qwen3NextConfig
+from mtpkit.checkpoint.loader import load_checkpoint
+from mtpkit.models.qwen3_next.model import Qwen3NextForCausalLM
+from mtpkit.checkpoint.hub import resolve_model
 from training.corpus import heldout_prompts, spaced_heldout_windows as heldout_windows
 from training.train import evaluate
 

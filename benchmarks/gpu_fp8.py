@@ -76,8 +76,8 @@ def write_pair(raw: dict, root: Path, device: str, num_spec: int) -> tuple[Path,
     from safetensors.torch import save_file
 
     from mtpkit import LLM
-    from mtpkit.attn.fp8_matmul import dequantize, quantize
-    from mtpkit.models.loader import export_state_dict
+    from mtpkit.kernels.fp8_matmul import dequantize, quantize
+    from mtpkit.checkpoint.loader import export_state_dict
 
     src = root / "config-only"
     src.mkdir(parents=True)
@@ -116,8 +116,8 @@ def _rel(a, b) -> float:
 
 def check_model(name: str, raw: dict, args) -> bool:
     from mtpkit import LLM, SamplingParams
-    from mtpkit.models import fp8_layout
-    from mtpkit.models.fp8_layout import FP8Matrix
+    from mtpkit.layers import fp8_layout
+    from mtpkit.layers.fp8_layout import FP8Matrix
 
     num_spec = 2 if raw["model_type"] == "qwen3_next" else 0
     t0 = time.perf_counter()

@@ -7,7 +7,7 @@
    shapes (GDN: 16 key / 32 value heads of 128, conv_dim 8192, conv width 4; attention:
    16 heads / 2 KV heads of 256, pages of 16) for batch 1, 8, 64 and bundle 3, 4, plus a
    head_dim-512 attention layer (Gemma 4 full-attention size) and three prefill shapes; and
-   the fused elementwise glue (models/triton_elementwise.py) against its torch reference, the
+   the fused elementwise glue (kernels/triton_elementwise.py) against its torch reference, the
    unfused ops the torch backend runs, for 4 and 32 tokens (batch 1 and 8, bundle 4):
    Qwen3-Next's residual add + norm (hidden 2048), GDN gated norm (32 x 128), shared-expert
    and attention-gate activations; Gemma 4's sandwich norms (26B-A4B 2816, 31B 5376) and
@@ -113,7 +113,7 @@ def maxdiff(pairs) -> float:
 
 def gdn_verify_case(R: int, B: int):
     import torch
-    from mtpkit.attn import gdn, triton_gdn
+    from mtpkit.kernels import gdn, triton_gdn
 
     hk, hv, dk, dv = GDN["hk"], GDN["hv"], GDN["dk"], GDN["dv"]
     dev, bf = DEV, torch.bfloat16
@@ -139,7 +139,7 @@ def gdn_verify_case(R: int, B: int):
 
 def conv_verify_case(R: int, B: int):
     import torch
-    from mtpkit.attn import conv, triton_conv
+    from mtpkit.kernels import conv, triton_conv
 
     C, W = CONV["C"], CONV["W"]
     L = W - 1 + B - 1
@@ -172,7 +172,7 @@ def _kv(R, ctx, shape, dev, dtype):
 
 def paged_verify_case(R: int, B: int, ctx: int, shape=ATTN, label="paged_verify"):
     import torch
-    from mtpkit.attn import paged, triton_paged
+    from mtpkit.kernels import paged, triton_paged
 
     H, KVH, D = shape["H"], shape["KVH"], shape["D"]
     dev, bf = DEV, torch.bfloat16
@@ -191,7 +191,7 @@ def paged_verify_case(R: int, B: int, ctx: int, shape=ATTN, label="paged_verify"
 
 def gdn_prefill_case(lens):
     import torch
-    from mtpkit.attn import gdn, triton_gdn
+    from mtpkit.kernels import gdn, triton_gdn
 
     hk, hv, dk, dv = GDN["hk"], GDN["hv"], GDN["dk"], GDN["dv"]
     dev, bf = DEV, torch.bfloat16
@@ -218,7 +218,7 @@ def gdn_prefill_case(lens):
 
 def conv_prefill_case(lens):
     import torch
-    from mtpkit.attn import conv, triton_conv
+    from mtpkit.kernels import conv, triton_conv
 
     C, W = CONV["C"], CONV["W"]
     L = W - 1 + 3
@@ -242,7 +242,7 @@ def conv_prefill_case(lens):
 
 def paged_prefill_case(q_lens, prefix: int):
     import torch
-    from mtpkit.attn import paged, triton_paged
+    from mtpkit.kernels import paged, triton_paged
 
     H, KVH, D = ATTN["H"], ATTN["KVH"], ATTN["D"]
     dev, bf = DEV, torch.bfloat16
@@ -264,8 +264,8 @@ def paged_prefill_case(q_lens, prefix: int):
 def glue_case(kind: str, T: int):
     """One fused glue op at a real width, against elementwise.py's unfused torch ops."""
     import torch
-    from mtpkit.models import elementwise as ref
-    from mtpkit.models import triton_elementwise as fused
+    from mtpkit.kernels import elementwise as ref
+    from mtpkit.kernels import triton_elementwise as fused
 
     dev, bf = DEV, torch.bfloat16
 
@@ -349,7 +349,7 @@ def main() -> int:
     os.environ.pop("TRITON_INTERPRET", None)
     sys.path.insert(0, str(ROOT))
     try:
-        import mtpkit.attn.triton_backend  # noqa: F401
+        import mtpkit.kernels.triton_ops  # noqa: F401
     except ImportError as e:
         print(f"cannot import mtpkit's Triton backend ({e}); install the project's dependencies "
               "(pip install -e . : jaxtyping, beartype, triton)")

@@ -20,8 +20,8 @@ import time
 import torch
 
 from mtpkit import LLM, SamplingParams
-from mtpkit.attn.backend import TORCH
-from mtpkit.models.moe import SparseMoE
+from mtpkit.kernels.ops import TORCH
+from mtpkit.layers.moe import SparseMoE
 
 
 def _set_ops(llm, **replace):

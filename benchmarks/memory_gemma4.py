@@ -27,10 +27,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 import gemma4_shapes  # noqa: E402
 
 from mtpkit.config import EngineConfig  # noqa: E402
-from mtpkit.engine.cache import allocate_cache  # noqa: E402
+from mtpkit.step.cache import allocate_cache  # noqa: E402
 from mtpkit.engine.kv_pools import pool_sizes  # noqa: E402
-from mtpkit.models.gemma4 import Gemma4ForCausalLM  # noqa: E402
-from mtpkit.models.gemma4_config import Gemma4Config  # noqa: E402
+from mtpkit.models.gemma4.model import Gemma4ForCausalLM  # noqa: E402
+from mtpkit.models.gemma4.config import Gemma4Config  # noqa: E402
 
 CONTEXTS = (4096, 32768, 131072)
 

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from mtpkit.models.moe import SparseMoE  # noqa: E402
+from mtpkit.layers.moe import SparseMoE  # noqa: E402
 from roofline_bytes import DRAFT_PREFIXES, Step, record_routing, step_bytes  # noqa: E402,F401
 from roofline_configs import MODELS, assistant_config, gemma4_config, qwen3_next_config  # noqa: E402
 
@@ -149,10 +149,11 @@ OTHER = "other (embedding, residuals, glue)"
 
 def _kinds() -> dict[type, str]:
     """Module class -> part, the first match wins (subclasses before their bases)."""
-    from mtpkit.models.gemma4 import Attention, GemmaRMSNorm, Router
-    from mtpkit.models.gemma4_assistant import MaskedEmbedding, QOnlyAttention
-    from mtpkit.models.layers import MLP, GatedRMSNorm, RMSNorm
-    from mtpkit.models.qwen3_next import FullAttention, GatedDeltaNet
+    from mtpkit.models.gemma4.model import Attention, GemmaRMSNorm, Router
+    from mtpkit.models.gemma4.assistant import MaskedEmbedding, QOnlyAttention
+    from mtpkit.layers.mlp import MLP
+    from mtpkit.layers.norm import GatedRMSNorm, RMSNorm
+    from mtpkit.models.qwen3_next.model import FullAttention, GatedDeltaNet
     return {FullAttention: "attention", Attention: "attention", QOnlyAttention: "attention",
             GatedDeltaNet: "GDN", SparseMoE: "MoE", Router: "MoE", MLP: "MLP",
             RMSNorm: "norms", GatedRMSNorm: "norms", GemmaRMSNorm: "norms", MaskedEmbedding: "lm_head"}
@@ -165,7 +166,7 @@ def labelled(model, drafter=None):
     assistant's) as "drafter <kind>", and the drafter's proposal as a whole as
     "drafter (other)" (what its labelled modules leave: projections, embedding rows, the KV
     slots it gathers, a full-vocabulary head)."""
-    from mtpkit.models.qwen3_next import GatedDeltaNet
+    from mtpkit.models.qwen3_next.model import GatedDeltaNet
 
     def wrap(fn, label):
         def inner(*a, **kw):
@@ -209,7 +210,7 @@ def breakdown(llm, g, batch: int, reps: int = 3) -> dict[str, float]:
     """ms per step by part: the bodies called directly under the profiler (each MoE on its
     fixed-shape path, as in a graph), plus one rejection sample of the verify logits."""
     from torch.profiler import ProfilerActivity, profile
-    from mtpkit.speculative.rejection import rejection_sample
+    from mtpkit.sampling.rejection import rejection_sample
     from mtpkit import SamplingParams
 
     cuda = g.cuda

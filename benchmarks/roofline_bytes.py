@@ -56,9 +56,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from mtpkit.models.gemma4_assistant_config import kv_source_of_type  # noqa: E402
-from mtpkit.models.gemma4_config import SLIDING, Gemma4Config  # noqa: E402
-from mtpkit.models.moe import SparseMoE  # noqa: E402
+from mtpkit.models.gemma4.assistant_config import kv_source_of_type  # noqa: E402
+from mtpkit.models.gemma4.config import SLIDING, Gemma4Config  # noqa: E402
+from mtpkit.layers.moe import SparseMoE  # noqa: E402
 
 CLUSTERS = "drafter.masked_embedding"   # routing key of the assistant's centroid choices
 DRAFT_PREFIXES = ("mtp ", "drafter ")   # parts that belong to the drafting, not the verify pass

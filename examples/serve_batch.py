@@ -40,9 +40,10 @@ from accelerate import PartialState
 
 from mtpkit import LLM, InputError, MtpkitError, SamplingParams
 from mtpkit.cli import add_memory_options, memory_kwargs
-from mtpkit.models.registry import read_config, resolve_model
+from mtpkit.models.registry import read_config
+from mtpkit.checkpoint.hub import resolve_model
 from mtpkit.parallel import replica_ranks
-from mtpkit.speculative import setup_drafter
+from mtpkit.speculative.setup import setup_drafter
 
 SAMPLES = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
            "Speculative decoding works by"]

@@ -1,10 +1,10 @@
 """mtpkit: speculative decoding with multi-token prediction, shape-typed end to end."""
 
-from .engine.request import RequestOutput, SpecStats
-from .errors import CheckpointError, ConfigError, InputError, MtpkitError
-from .llm import LLM, StreamEvent
-from .shapes import ShapeError, debug, is_debug, set_debug, shape_trace
-from .sampling import SamplingParams
+from mtpkit.engine.request import RequestOutput, SpecStats
+from mtpkit.errors import CheckpointError, ConfigError, InputError, MtpkitError
+from mtpkit.llm import LLM, StreamEvent
+from mtpkit.shapes import ShapeError, debug, is_debug, set_debug, shape_trace
+from mtpkit.sampling.params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "SpecStats", "StreamEvent", "debug",
            "is_debug", "set_debug", "shape_trace", "ShapeError", "ConfigError", "CheckpointError",

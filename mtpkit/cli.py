@@ -9,7 +9,7 @@ import re
 import sys
 import time
 
-from .sampling import MAX_SEED
+from mtpkit.sampling.params import MAX_SEED
 
 DEFAULT_MODEL = "tiny-qwen3-next"
 
@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = None
     import mtpkit
-    from mtpkit.models.registry import builtin_models, describe_builtin
+    from mtpkit.checkpoint.hub import builtin_models
+    from mtpkit.models.registry import describe_builtin
 
     if args.command == "models":
         print("\n".join(describe_builtin(m) for m in builtin_models()) or "(none)")

@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from .errors import ConfigError
+from mtpkit.errors import ConfigError
 
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,

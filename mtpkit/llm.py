@@ -16,24 +16,28 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .chat import load_chat_template, special_tokens
-from .config import EngineConfig, resolve_device, resolve_dtype
-from .detokenize import IncrementalDetokenizer
-from .engine.cache import SlotAllocator, allocate_cache
-from .engine.kv_pools import KVPools, check_pool_sizes, pool_sizes
-from .engine import memory_plan
-from .engine.cache_spec import CacheSpec
-from .engine.request import Request, RequestOutput, SpecStats, Status
-from .engine.runner import ModelRunner
-from .engine.scheduler import Scheduler
-from .errors import ConfigError, InputError
-from .generation_config import read_generation_defaults
-from .graphs.plan import build_capture_plan
-from .models.registry import read_config, resolve_model
-from .sampling import SamplingParams
-from .speculative import setup_drafter
-from .stop_strings import StopStringMatcher, cut_at_stop
-from .tokenizer import load_tokenizer
+from mtpkit.checkpoint.hub import resolve_model
+from mtpkit.config import EngineConfig, resolve_device, resolve_dtype
+from mtpkit.engine import memory_plan
+from mtpkit.engine.allocators import SlotAllocator
+from mtpkit.engine.kv_pools import KVPools, check_pool_sizes, pool_sizes
+from mtpkit.engine.request import Request, RequestOutput, SpecStats, Status
+from mtpkit.engine.runner import ModelRunner
+from mtpkit.engine.scheduler import Scheduler
+from mtpkit.errors import ConfigError, InputError
+from mtpkit.graphs.plan import build_capture_plan
+from mtpkit.models.registry import read_config
+from mtpkit.sampling.params import SamplingParams
+from mtpkit.speculative.setup import setup_drafter
+from mtpkit.step.cache import allocate_cache
+from mtpkit.step.cache_spec import CacheSpec
+from mtpkit.text.chat import load_chat_template, special_tokens
+from mtpkit.text.detokenize import IncrementalDetokenizer
+from mtpkit.text.generation_config import read_generation_defaults
+from mtpkit.text.stop_strings import StopStringMatcher, cut_at_stop
+from mtpkit.text.tokenizer import load_tokenizer
+from mtpkit.engine.inputs import (id_sequence, is_bool, normalize_sampling_params, prompt_list, short_repr,
+                                  utf8_text)
 
 Prompt = str | Sequence[int]
 
@@ -125,7 +129,7 @@ class LLM:
         model_cls, target_kwargs = self.family.model_class, (draft.target_kwargs if draft else {})
         # Tensor parallelism: what config.json cannot split is refused first, then a size that
         # differs from the launched job.
-        from .parallel import TP
+        from mtpkit.parallel import TP
 
         def check_tp(size: int) -> None:
             model_cls.check_tensor_parallel(cfg, size, **target_kwargs)
@@ -208,8 +212,8 @@ class LLM:
         self.capture_plan = build_capture_plan(
             num_spec=num_spec, max_num_seqs=max_num_seqs, max_state_reqs=max_state_reqs,
             graph_sizes=graph_sizes, cudagraph_capture_sizes=cudagraph_capture_sizes)
-        from .attn.backend import select_backend
-        from .models.loader import build_model, checkpoint_index
+        from mtpkit.checkpoint.loader import build_model, checkpoint_index
+        from mtpkit.kernels.ops import select_ops
 
         # Reading weights can fail on one rank only (a bad file, memory): every rank finishes
         # this block, then all learn of any failure and raise, instead of the others hanging.
@@ -219,7 +223,7 @@ class LLM:
                 checkpoint_index(path)  # a missing or broken weights file is reported before any work
                 if draft is not None:
                     draft.check_checkpoint()
-            backend = select_backend(self.device, attn_backend)
+            backend = select_ops(self.device, attn_backend)
 
             def load(family, model_cfg, model_path, **kwargs):
                 return build_model(family, model_cfg, model_path, ops=backend, tp=tp, dtype=self.dtype,
@@ -299,12 +303,12 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InputError(f"{where}: this checkpoint has no tokenizer.json; pass token ids")
-            ids = self.tokenizer.encode(_utf8_text(prompt, where)).ids
+            ids = self.tokenizer.encode(utf8_text(prompt, where)).ids
         else:
             ids, bad, not_ints = [], [], []
-            for t in _id_sequence(prompt, where):  # Python, numpy and torch integers; not bools or floats
+            for t in id_sequence(prompt, where):  # Python, numpy and torch integers; not bools or floats
                 try:
-                    if _is_bool(t):
+                    if is_bool(t):
                         raise TypeError
                     t = operator.index(t)
                 except TypeError:
@@ -327,7 +331,7 @@ class LLM:
         """The prompt's token ids and its SamplingParams (scalars as Python values), or an
         InputError naming `where`."""
         try:  # no SamplingParams: the checkpoint's generation_config.json defaults
-            params = _sampling_params(params if params is not None else self.generation_defaults.sampling_params())
+            params = normalize_sampling_params(params if params is not None else self.generation_defaults.sampling_params())
             params.validate(self.model_config.vocab_size)
         except InputError as e:
             raise InputError(f"{where}: {e}") from None
@@ -352,7 +356,7 @@ class LLM:
         ecfg = self.engine_config
         rid = next(self._ids)
         # A random request's tokens are drawn from noise keyed by (seed, token position)
-        # (mtpkit.sampling): without a seed of its own it gets a fixed one from LLM.seed and
+        # (mtpkit.sampling.sampler): without a seed of its own it gets a fixed one from LLM.seed and
         # its id, so it too is reproducible under preemption.
         seed = None
         if params.temperature > 0:
@@ -392,14 +396,14 @@ class LLM:
             ids = ({operator.index(request_ids)} if isinstance(request_ids, numbers.Integral)
                    else {operator.index(i) for i in request_ids})
         except TypeError:
-            raise InputError(f"request_ids={_short(request_ids)} must be an id or a list of ids "
+            raise InputError(f"request_ids={short_repr(request_ids)} must be an id or a list of ids "
                              "(RequestOutput.request_id, Request.req_id)") from None
         sched = self.scheduler
         reqs = [r for r in itertools.chain(sched.waiting, sched.running) if r.req_id in ids]
         return sorted(r.req_id for r in sched.abort(reqs))
 
     def _prepare(self, prompts, sampling_params, errors: str):
-        prompts = _prompt_list(prompts)
+        prompts = prompt_list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 raise InputError(f"{len(sampling_params)} SamplingParams for {len(prompts)} prompts")
@@ -463,7 +467,7 @@ class LLM:
     def generate(self, prompts, sampling_params=None, *, errors: str = "raise",
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. prompts: a str, a list of token ids, or a
-        list of those (see _prompt_list). errors='raise' refuses the whole call if any prompt
+        list of those (see prompt_list). errors='raise' refuses the whole call if any prompt
         is bad (before any model work); errors='return' runs the others and returns the bad
         ones with .error set. An exception (KeyboardInterrupt included) aborts the call's
         requests before it propagates."""
@@ -490,7 +494,7 @@ class LLM:
         such lists) rendered by the checkpoint's chat template (or `chat_template`: a template
         or the name of one of the checkpoint's), as token ids (tokenize=True) or text; one
         entry per conversation. Extra keyword arguments are template variables."""
-        from .chat import conversation_list, render_chat, select_template
+        from mtpkit.text.chat import conversation_list, render_chat, select_template
         source = select_template(self._chat_template, chat_template, str(self.model_path))
         convs = conversation_list(messages)
         where = (lambda i: f"conversation {i}") if len(convs) > 1 else (lambda i: "conversation")
@@ -524,7 +528,7 @@ class LLM:
 
     def _error_output(self, prompt, msg: str) -> RequestOutput:
         try:  # the ids as far as they can be read: a bad prompt may be anything
-            ids = [] if isinstance(prompt, str) else _id_sequence(prompt, "")
+            ids = [] if isinstance(prompt, str) else id_sequence(prompt, "")
         except InputError:
             ids = []
         return RequestOutput(-1, ids, [], None, "error", SpecStats(), msg)
@@ -542,7 +546,7 @@ class LLM:
         slots = self.slots.allocate() if self.kv_pools.can_hold(len(ids), chunk_len) else None
         if slots is None:
             raise InputError("score: the caches are full with running requests; call it when they finish")
-        from .attn.metadata import PrefillChunk
+        from mtpkit.step.metadata import PrefillChunk
         tables = self.kv_pools.new_tables()
         try:
             out, start = [], 0
@@ -560,123 +564,3 @@ class LLM:
             self.slots.free(slots)
 
 
-# ---- input types ----------------------------------------------------------------------
-# Prompts and sampling values come from user code: numpy and torch values are accepted where
-# they mean the same as a Python value, and anything else is an InputError naming it.
-PROMPT_TYPES = ("a str, a list of token ids (Python, numpy or torch integers), or a 1-D integer "
-                "numpy array / torch tensor")
-
-
-def _short(x) -> str:
-    r = repr(x)
-    return r if len(r) <= 60 else r[:57] + "..."
-
-
-def _is_array(x) -> bool:
-    """A torch tensor or a numpy array / scalar (duck-typed: numpy is not imported here)."""
-    return isinstance(x, torch.Tensor) or all(hasattr(x, a) for a in ("ndim", "dtype", "tolist"))
-
-
-def _is_bool(x) -> bool:
-    """Python, numpy and torch booleans: never a number or a token id here."""
-    return isinstance(x, bool) or (str(getattr(x, "dtype", "")) in ("bool", "torch.bool")
-                                   and getattr(x, "ndim", 1) == 0)
-
-
-def _integer_dtype(dtype) -> bool:
-    if isinstance(dtype, torch.dtype):
-        return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
-    return getattr(dtype, "kind", "") in ("i", "u")
-
-
-def _prompt_list(prompts) -> list:
-    """A call's prompts as a list: a str, a token-id sequence or a 1-D array is one prompt,
-    a list or tuple of those a batch (each checked later, naming its index)."""
-    if isinstance(prompts, str) or (_is_array(prompts) and prompts.ndim > 0):
-        return [prompts]  # an array of another rank: _id_sequence says what to pass
-    if isinstance(prompts, (list, tuple)):
-        first = prompts[0] if prompts else None
-        if isinstance(first, numbers.Number) or (_is_array(first) and first.ndim == 0):
-            return [prompts]  # token ids (a bad id is reported by _tokens)
-        return list(prompts)
-    raise InputError(f"prompts={_short(prompts)} ({type(prompts).__name__}) is not a prompt or a list of "
-                     f"prompts; give {PROMPT_TYPES}, or a list of these for a batch")
-
-
-def _id_sequence(prompt, where: str) -> list:
-    """A token-id prompt's elements (not yet checked as ids)."""
-    if _is_array(prompt) and prompt.ndim > 0:
-        if prompt.ndim != 1:
-            raise InputError(f"{where}: a token-id array must be 1-D, got shape {tuple(prompt.shape)}; "
-                             "pass a list of 1-D arrays for a batch")
-        if len(prompt) and not _integer_dtype(prompt.dtype):
-            raise InputError(f"{where}: token ids must be integers, got an array of dtype {prompt.dtype}; "
-                             "convert it (numpy: .astype(int), torch: .long())")
-        return prompt.tolist()
-    if isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes, bytearray)):
-        return list(prompt)
-    raise InputError(f"{where}: {_short(prompt)} ({type(prompt).__name__}) is not a prompt; give {PROMPT_TYPES}")
-
-
-def _utf8_text(text: str, where: str) -> str:
-    """The text, if the tokenizer can take it: lone surrogates (from a bad decode) cannot be
-    encoded as UTF-8."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InputError(f"{where}: the text is not valid Unicode ({e.reason}: {text[e.start:e.end]!r} at "
-                         f"index {e.start}); remove it, or decode the source bytes with errors='replace'") from None
-    return text
-
-
-def _scalar(v, integer: bool):
-    """v as a Python int (integer) or float, if it is a Python, numpy or torch scalar of that
-    kind; else None (SamplingParams.validate then names the field)."""
-    if isinstance(v, torch.Tensor):
-        if v.ndim != 0 or v.dtype == torch.bool or v.dtype.is_complex or (integer and v.dtype.is_floating_point):
-            return None
-        v = v.item()
-    if isinstance(v, bool):
-        return None
-    if integer:
-        return int(v) if isinstance(v, numbers.Integral) else None
-    return float(v) if isinstance(v, numbers.Real) else None
-
-
-def _sampling_params(params) -> SamplingParams:
-    """params (None: the defaults) with numpy / torch scalars as Python values, after the type
-    checks SamplingParams.validate leaves to the caller: bools are not numbers or token ids,
-    ignore_eos is a bool, stop_token_ids a list."""
-    if params is None:
-        return SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise InputError(f"sampling_params={_short(params)} ({type(params).__name__}) must be a SamplingParams "
-                         "or a list of them, one per prompt; e.g. SamplingParams(**d) for a dict d")
-    problems, values = [], {}
-    for name, integer in (("max_tokens", True), ("top_k", True), ("seed", True),
-                          ("temperature", False), ("top_p", False)):
-        v = getattr(params, name)
-        if _is_bool(v):
-            problems.append(f"{name}={v!r} must be {'an int' if integer else 'a number'}, not a bool")
-        elif v is not None and (x := _scalar(v, integer)) is not None:
-            values[name] = x
-    stop = params.stop_token_ids
-    if _is_array(stop) and stop.ndim == 1:
-        stop = stop.tolist()
-    if not isinstance(stop, (list, tuple)):
-        problems.append(f"stop_token_ids={_short(stop)} must be a list of token ids, e.g. [{_short(stop)}]")
-    elif any(_is_bool(t) for t in stop):
-        problems.append(f"stop_token_ids={_short(stop)} must be int token ids, not bools")
-    else:
-        values["stop_token_ids"] = [t if (x := _scalar(t, True)) is None else x for t in stop]
-    stop = [params.stop] if isinstance(params.stop, str) else params.stop  # one stop string
-    if isinstance(stop, tuple):
-        stop = list(stop)
-    values["stop"] = stop
-    if not _is_bool(params.ignore_eos):
-        problems.append(f"ignore_eos={_short(params.ignore_eos)} must be True or False")
-    else:
-        values["ignore_eos"] = bool(params.ignore_eos)
-    if problems:
-        raise InputError("invalid SamplingParams: " + "; ".join(problems))
-    return dataclasses.replace(params, **values)

@@ -14,8 +14,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import errors
-from .errors import ConfigError
+from mtpkit import errors
+from mtpkit.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

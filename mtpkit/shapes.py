@@ -111,7 +111,7 @@ class ShapeError(TypeError):
         self.actual, self.expected = actual, expected
 
     def _repr_html_(self) -> str:  # Jupyter: the boundary, the bindings, the argument
-        from .notebook.html import shape_error_html
+        from mtpkit.notebook.html import shape_error_html
 
         return shape_error_html(self)
 
@@ -164,7 +164,7 @@ class ShapeTrace:
     def html(self, last: int | None = None) -> str:
         """An HTML table: function, num_reqs, num_reqs_padded, bundle, every other bound
         dimension, and the arguments' shapes and dtypes (filter first to narrow it)."""
-        from .notebook.html import trace_table
+        from mtpkit.notebook.html import trace_table
 
         return trace_table(list(self.entries)[-last:] if last else self.entries)
 

@@ -25,8 +25,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from mtpkit.attn import fp8_matmul, triton_conv, triton_fp8_matmul, triton_gdn, triton_paged  # noqa: E402
-from mtpkit.models import triton_elementwise, triton_moe  # noqa: E402
+from mtpkit.kernels import fp8_matmul, triton_conv, triton_fp8_matmul, triton_gdn, triton_paged  # noqa: E402
+from mtpkit.kernels import triton_elementwise, triton_moe  # noqa: E402
 
 SM90_SHARED = 227 * 1024  # the most shared memory one block may use on sm_90
 H200_SMS = 132

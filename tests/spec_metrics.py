@@ -45,7 +45,7 @@ def second_token_distribution(path, prompt, params, k, n, **llm_kw):
 
 def exact_second_token_p(path, prompt, params, **llm_kw):
     """The target's own distribution of the second token (sum over the first)."""
-    from mtpkit.sampling import SamplingTensors, target_probs
+    from mtpkit.sampling.sampler import SamplingTensors, target_probs
     llm = LLM(path, **F64, **llm_kw)
     sp = SamplingParams(max_tokens=2, temperature=params["temperature"], top_k=params.get("top_k", 0),
                         top_p=params.get("top_p", 1.0))

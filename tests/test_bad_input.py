@@ -27,8 +27,8 @@ import oracle as O  # noqa: E402
 
 pytest.importorskip("transformers")
 
-import mtpkit.models.loader as loader_mod  # noqa: E402
-import mtpkit.models.qwen3_next as qwen_mod  # noqa: E402
+import mtpkit.checkpoint.loader as loader_mod  # noqa: E402
+import mtpkit.models.qwen3_next.model as qwen_mod  # noqa: E402
 from mtpkit import LLM, ConfigError, InputError, SamplingParams  # noqa: E402
 from mtpkit.engine.request import Status  # noqa: E402
 

@@ -9,10 +9,10 @@ import pytest
 from tokenizers import Tokenizer
 
 from mtpkit import LLM, SamplingParams
-from mtpkit.chat import load_chat_template, render_chat, select_template, special_tokens
+from mtpkit.text.chat import load_chat_template, render_chat, select_template, special_tokens
 from mtpkit.errors import InputError
-from mtpkit.models.registry import ASSETS
-from mtpkit.tokenizer import load_tokenizer
+from mtpkit.checkpoint.hub import ASSETS
+from mtpkit.text.tokenizer import load_tokenizer
 
 TINY = ASSETS / "tiny-qwen3-next"
 

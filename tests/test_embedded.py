@@ -9,7 +9,7 @@ import torch
 
 import oracle
 from mtpkit import LLM, SamplingParams
-from mtpkit.models.registry import builtin_models, resolve_model
+from mtpkit.checkpoint.hub import builtin_models, resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "tiny-qwen3-next"

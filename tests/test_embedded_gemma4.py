@@ -16,7 +16,7 @@ import oracle as O  # noqa: E402
 pytest.importorskip("transformers")
 
 from mtpkit import LLM, SamplingParams  # noqa: E402
-from mtpkit.models.registry import builtin_models, resolve_model  # noqa: E402
+from mtpkit.checkpoint.hub import builtin_models, resolve_model  # noqa: E402
 from training.corpus import heldout_prompts  # noqa: E402
 
 TARGET, ASSISTANT = "tiny-gemma4", "tiny-gemma4-assistant"

@@ -31,12 +31,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mtpkit import LLM, SamplingParams
-from mtpkit.attn import fp8_matmul
-from mtpkit.attn.fp8_matmul import dequantize, fp8_linear_reference, quantize
+from mtpkit.kernels import fp8_matmul
+from mtpkit.kernels.fp8_matmul import dequantize, fp8_linear_reference, quantize
 from mtpkit.errors import CheckpointError, ConfigError
-from mtpkit.models.fp8_layout import FP8Matrix, PlainRows, row_layout, row_sources
-from mtpkit.models.layers import ColumnParallelLinear, Linear, MergedColumnParallelLinear, RowParallelLinear
-from mtpkit.models.moe import SparseMoE
+from mtpkit.layers.fp8_layout import FP8Matrix, PlainRows, row_layout, row_sources
+from mtpkit.layers.linear import ColumnParallelLinear, Linear, MergedColumnParallelLinear, RowParallelLinear
+from mtpkit.layers.moe import SparseMoE
 from mtpkit.parallel import TP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -320,7 +320,7 @@ def test_kept_fp8_fused_experts(fp8_dirs, monkeypatch):
 @pytest.mark.parametrize("name", ["dense", "moe"])
 @pytest.mark.parametrize("block", list(BLOCKS))
 def test_kept_fp8_gemma4_equals_dequantized_twin(fp8_dirs, name, block, monkeypatch):
-    from mtpkit.models.gemma4 import Gemma4Experts
+    from mtpkit.models.gemma4.model import Gemma4Experts
 
     fp8_dir, twin_dir, _, names = fp8_dirs(name, block)
     kw = dict(dtype="float32", num_spec=0)
@@ -363,7 +363,7 @@ def test_row_layout_block_or_named_scale_rows():
     """Whole stored blocks moved whole (one head's q rows, then k ...) give the block layout
     (the table lists their scale rows in output order); a block of output rows drawn from two
     stored blocks makes every row name its own."""
-    from mtpkit.models.fp8_layout import Part
+    from mtpkit.layers.fp8_layout import Part
 
     parts = [Part("q", 64, 0, 64), Part("k", 32, 0, 32)]
     order = torch.cat([torch.arange(32, 64), torch.arange(64, 96), torch.arange(0, 32)])

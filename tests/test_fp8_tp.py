@@ -52,9 +52,9 @@ class _Patch:
 def _tp2_worker(root: str):
     from accelerate import PartialState
 
-    from mtpkit.models.fp8_layout import FP8Matrix
-    from mtpkit.models.gemma4 import Gemma4Experts
-    from mtpkit.models.moe import SparseMoE
+    from mtpkit.layers.fp8_layout import FP8Matrix
+    from mtpkit.models.gemma4.model import Gemma4Experts
+    from mtpkit.layers.moe import SparseMoE
     PartialState._reset_state()
     state = PartialState(cpu=True)
     torch.set_num_threads(1)

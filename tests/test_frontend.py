@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import mtpkit
-import mtpkit.models.loader as loader_mod
+import mtpkit.checkpoint.loader as loader_mod
 from mtpkit import LLM, CheckpointError, ConfigError, SamplingParams
-from mtpkit.models.registry import resolve_model
+from mtpkit.checkpoint.hub import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = resolve_model("tiny-qwen3-next")
@@ -106,15 +106,15 @@ CJK_IDS = list(CJK.encode("utf-8"))
 
 
 def test_tokenizer_splits_the_characters_into_byte_tokens():
-    llm_tok = mtpkit.tokenizer.load_tokenizer(TINY)
+    llm_tok = mtpkit.text.tokenizer.load_tokenizer(TINY)
     assert llm_tok.encode(CJK).ids == CJK_IDS
     assert llm_tok.decode(CJK_IDS[:1]) == "\ufffd"  # what naive streaming prints
 
 
 def test_detokenizer_holds_back_incomplete_characters():
-    from mtpkit.detokenize import IncrementalDetokenizer
+    from mtpkit.text.detokenize import IncrementalDetokenizer
 
-    tok = mtpkit.tokenizer.load_tokenizer(TINY)
+    tok = mtpkit.text.tokenizer.load_tokenizer(TINY)
     d = IncrementalDetokenizer(tok)
     deltas = [d.add([t]) for t in CJK_IDS]
     assert deltas == ["", "", "中", "", "", "文"]
@@ -134,7 +134,7 @@ def scripted_logits(monkeypatch):
     """The model's next token follows a script (one-hot logits per compute_logits call; with
     num_spec=0 every call samples one token per request): the engine, sampler, scheduler and
     stream run for real on chosen token ids."""
-    from mtpkit.models.qwen3_next import Qwen3NextForCausalLM
+    from mtpkit.models.qwen3_next.model import Qwen3NextForCausalLM
 
     def install(tokens):
         it = iter(tokens)
@@ -420,7 +420,7 @@ def test_cpu_path_never_imports_triton():
                 "out = mtpkit.LLM('tiny-qwen3-next', num_spec=2).generate('x')\n"
                 "assert out[0].token_ids\n"
                 "print('triton' in sys.modules, [m for m in sys.modules if m.split('.')[0] == 'triton'\n"
-                "       or m.startswith('mtpkit.attn.triton')])")
+                "       or m.startswith('mtpkit.kernels.triton')])")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False []", r.stdout
 
@@ -429,9 +429,9 @@ def test_triton_backend_without_triton_says_what_to_install():
     # sys.modules["triton"] = None: `import triton` raises ModuleNotFoundError, as when not installed
     r = _python("import sys; sys.modules['triton'] = None\n"
                 "import torch, mtpkit\n"
-                "from mtpkit.attn.backend import select_backend\n"
+                "from mtpkit.kernels.ops import select_ops\n"
                 "try:\n"
-                "    select_backend(torch.device('cpu'), 'triton')\n"
+                "    select_ops(torch.device('cpu'), 'triton')\n"
                 "except mtpkit.ConfigError as e:\n"
                 "    print('ConfigError:', e)\n")
     assert r.returncode == 0, r.stderr

@@ -382,7 +382,8 @@ def test_an_assistant_is_not_a_target_and_drafts_only_for_gemma4(pairs, hf_check
 
 
 def test_tensor_parallel_split_of_the_assistant(pairs):
-    from mtpkit.models.registry import read_config, read_config_json
+    from mtpkit.models.registry import read_config
+    from mtpkit.checkpoint.hub import read_config_json
     from mtpkit.speculative import gemma4_assistant
     pair = pairs("dense")
     _, target_cfg = read_config(pair[2])

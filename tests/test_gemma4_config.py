@@ -14,8 +14,8 @@ import gemma4_oracle as G  # noqa: E402
 
 from mtpkit import LLM  # noqa: E402
 from mtpkit.errors import ConfigError  # noqa: E402
-from mtpkit.models.gemma4 import Gemma4ForCausalLM  # noqa: E402
-from mtpkit.models.gemma4_config import Gemma4Config  # noqa: E402
+from mtpkit.models.gemma4.model import Gemma4ForCausalLM  # noqa: E402
+from mtpkit.models.gemma4.config import Gemma4Config  # noqa: E402
 
 RAW = {**G.CONFIGS["dense"], "model_type": "gemma4_text"}
 

@@ -109,7 +109,7 @@ def test_moe_execution_paths_match_hf(checkpoints, monkeypatch, path_):
     """The MoE layer's other two execution paths (the tests above take the dense one): the
     grouped loop over the experts hit (prefill of many tokens) and the gather of the chosen
     experts (decode steps choosing few of many experts), forced by their thresholds."""
-    from mtpkit.models.gemma4 import Gemma4Experts
+    from mtpkit.models.gemma4.model import Gemma4Experts
     model, path = checkpoints("moe")
     if path_ == "grouped":
         monkeypatch.setattr(Gemma4Experts, "dense_limit", 0)

@@ -17,7 +17,7 @@ import oracle as O  # noqa: E402
 pytest.importorskip("transformers")
 
 from mtpkit import LLM, SamplingParams  # noqa: E402
-from mtpkit.engine.cache_spec import CacheSpec, KVGroup  # noqa: E402
+from mtpkit.step.cache_spec import CacheSpec, KVGroup  # noqa: E402
 from mtpkit.engine.kv_pools import KVPools, blocks_for, window_demand  # noqa: E402
 
 W = G.CONFIGS["dense"]["sliding_window"]        # 5

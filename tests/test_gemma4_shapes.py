@@ -15,10 +15,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gemma4_shapes as S  # noqa: E402
 
 from mtpkit import LLM, SamplingParams  # noqa: E402
-from mtpkit.attn.backend import TORCH  # noqa: E402
-from mtpkit.models.gemma4 import Gemma4ForCausalLM  # noqa: E402
-from mtpkit.models.gemma4_config import Gemma4Config  # noqa: E402
-from mtpkit.models.loader import weight_specs  # noqa: E402
+from mtpkit.kernels.ops import TORCH  # noqa: E402
+from mtpkit.models.gemma4.model import Gemma4ForCausalLM  # noqa: E402
+from mtpkit.models.gemma4.config import Gemma4Config  # noqa: E402
+from mtpkit.checkpoint.loader import weight_specs  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(S.REAL))

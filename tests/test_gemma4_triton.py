@@ -81,7 +81,7 @@ def test_moe_variant_runs_the_fused_experts_with_gelu_tanh(tmp_path_factory):
     kernel (act gelu_tanh) at every step; the same greedy tokens and logits."""
     import dataclasses
 
-    from mtpkit.models.gemma4 import Gemma4Experts
+    from mtpkit.models.gemma4.model import Gemma4Experts
 
     path = _checkpoint(tmp_path_factory, dict(G.CONFIGS["moe"], sliding_window=4))
     acts = []

@@ -7,7 +7,7 @@ import pytest
 
 from mtpkit import LLM, SamplingParams
 from mtpkit.errors import CheckpointError
-from mtpkit.models.registry import ASSETS
+from mtpkit.checkpoint.hub import ASSETS
 
 TINY = ASSETS / "tiny-qwen3-next"
 PROMPT = "def fibonacci(n):"

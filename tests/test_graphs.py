@@ -92,7 +92,7 @@ def test_large_steps_keep_a_fixed_shape_moe_path(ckdir, monkeypatch):
     """Above dense_limit token-expert pairs the MoE loops over the experts it routed to, a
     path whose shapes follow the routing: a graph must not take it (a trace would replay the
     routing it was traced with). Lowering the limit makes every verify step that large."""
-    from mtpkit.models.moe import SparseMoE
+    from mtpkit.layers.moe import SparseMoE
 
     path = _ck(str(ckdir))
     prompts = oracle.random_prompts(5, 256, seed=5, lengths=[1, 9, 17, 30, 44])
@@ -161,7 +161,7 @@ def test_regression_1_ragged_capture_sizes_fail_fast_with_corrected_list(ckdir, 
     """The seed failure: num_spec=2 (bundle 3) with capture sizes [1, 2, 4, 8, 16, 32] in
     tokens. It must be a ConfigError at construction, naming the sizes and the fix, before
     any weight is read; the same numbers as request counts run."""
-    import mtpkit.models.loader as loader
+    import mtpkit.checkpoint.loader as loader
     path = _ck(str(ckdir))
     monkeypatch.setattr(loader, "load_checkpoint", lambda *a, **k: pytest.fail("weights were read"))
     with pytest.raises(ConfigError) as e:
@@ -205,7 +205,7 @@ def test_regression_3_padded_conv_batch(ckdir):
 
 
 def test_regression_4_state_pool_too_small(ckdir, monkeypatch):
-    import mtpkit.models.loader as loader
+    import mtpkit.checkpoint.loader as loader
     monkeypatch.setattr(loader, "load_checkpoint", lambda *a, **k: pytest.fail("weights were read"))
     with pytest.raises(ConfigError, match="state-slot pool holds 3 requests"):
         LLM(_ck(str(ckdir)), num_spec=2, max_num_seqs=8, num_state_slots=10, **F64)

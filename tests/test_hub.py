@@ -8,7 +8,7 @@ import pytest
 
 from mtpkit import LLM, SamplingParams
 from mtpkit.errors import ConfigError
-from mtpkit.models.registry import ASSETS, resolve_model
+from mtpkit.checkpoint.hub import ASSETS, resolve_model
 
 TINY = ASSETS / "tiny-qwen3-next"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

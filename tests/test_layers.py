@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from mtpkit import LLM
-from mtpkit.models.layers import PartialRoPE
-from mtpkit.models.loader import export_state_dict
-from mtpkit.models.moe import SparseMoE
-from mtpkit.models.registry import resolve_model
+from mtpkit.layers.rope import PartialRoPE
+from mtpkit.checkpoint.loader import export_state_dict
+from mtpkit.layers.moe import SparseMoE
+from mtpkit.checkpoint.hub import resolve_model
 from mtpkit.parallel import TP
 
 

@@ -26,8 +26,8 @@ import oracle as O  # noqa: E402
 
 pytest.importorskip("transformers")
 
-import mtpkit.models.loader as loader_mod  # noqa: E402
-import mtpkit.models.qwen3_next as qwen_mod  # noqa: E402
+import mtpkit.checkpoint.loader as loader_mod  # noqa: E402
+import mtpkit.models.qwen3_next.model as qwen_mod  # noqa: E402
 from mtpkit import LLM, CheckpointError, ConfigError, MtpkitError  # noqa: E402
 
 SEED = 0

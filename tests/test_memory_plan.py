@@ -9,7 +9,7 @@ import torch
 from mtpkit import LLM, SamplingParams
 from mtpkit.engine import memory_plan
 from mtpkit.errors import ConfigError
-from mtpkit.models import loader
+from mtpkit.checkpoint import loader
 from test_model_family import F64, toy  # noqa: F401  (the toy family and its checkpoints)
 
 MiB = 1 << 20
@@ -137,7 +137,7 @@ def test_fp8_experts_estimate_the_activations_of_the_plain_layout():
     """A MoE kept in FP8 holds its experts' down projections as a stack [experts, hidden, I]:
     not a per-token width, so the estimate is the plain layout's (every local expert's gate
     and up rows per token), here where hidden (64) > 2I (32) would tell them apart."""
-    from mtpkit.models.moe import SparseMoE
+    from mtpkit.layers.moe import SparseMoE
 
     est = dict(tokens=64, logits_rows=8, vocab=1000, dtype=torch.bfloat16)
     with torch.device("meta"):
@@ -151,8 +151,8 @@ def test_fp8_experts_estimate_the_activations_of_the_plain_layout():
 
 
 def _ops():
-    from mtpkit.attn.backend import select_backend
-    return select_backend(torch.device("cpu"), None)
+    from mtpkit.kernels.ops import select_ops
+    return select_ops(torch.device("cpu"), None)
 
 
 def test_profile_run_resizes_the_kv_pool(ckpt, monkeypatch):

@@ -16,12 +16,15 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mtpkit import LLM, SamplingParams
-from mtpkit.attn.metadata import PrefillMetadata
-from mtpkit.engine.cache_spec import CacheSpec, KVGroup
+from mtpkit.step.metadata import PrefillMetadata
+from mtpkit.step.cache_spec import CacheSpec, KVGroup
 from mtpkit.errors import ConfigError
 from mtpkit.models import registry
-from mtpkit.models.layers import MLP, Linear, PartialRoPE, RMSNorm
-from mtpkit.models.loader import export_state_dict
+from mtpkit.layers.mlp import MLP
+from mtpkit.layers.linear import Linear
+from mtpkit.layers.rope import PartialRoPE
+from mtpkit.layers.norm import RMSNorm
+from mtpkit.checkpoint.loader import export_state_dict
 from mtpkit.parallel import TP
 from mtpkit.shapes import is_debug
 

@@ -199,8 +199,8 @@ def test_shape_trace_html_and_filter(llm):
 
 
 def test_shape_error_names_boundary_bindings_and_argument():
-    from mtpkit.sampling import SamplingTensors
-    from mtpkit.speculative.rejection import rejection_sample
+    from mtpkit.sampling.sampler import SamplingTensors
+    from mtpkit.sampling.rejection import rejection_sample
 
     st = SamplingTensors.from_params([SamplingParams()] * 2, "cpu")
     with mtpkit.debug(), pytest.raises(mtpkit.ShapeError) as info:

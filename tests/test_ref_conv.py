@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from mtpkit import shapes
-from mtpkit.attn.conv import causal_conv1d_prefill, causal_conv1d_verify
+from mtpkit.kernels.conv import causal_conv1d_prefill, causal_conv1d_verify
 
 C, W = 10, 4
 TOL = {torch.float32: dict(atol=1e-6, rtol=1e-6), torch.float64: dict(atol=1e-14, rtol=1e-14),

@@ -7,10 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from mtpkit import shapes
-from mtpkit.attn.gdn import (
-    gated_delta_rule_prefill, gated_delta_rule_verify, gdn_chunked_core, gdn_prepare,
-    gdn_recurrent_core,
-)
+from mtpkit.kernels.gdn import (gated_delta_rule_prefill, gated_delta_rule_verify, gdn_chunked_core, gdn_prepare,
+                                gdn_recurrent_core)
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.float64: dict(atol=1e-12, rtol=1e-12)}
 

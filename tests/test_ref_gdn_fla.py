@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtpkit.attn.gdn import gated_delta_rule_prefill, gdn_chunked_core, gdn_recurrent_core
+from mtpkit.kernels.gdn import gated_delta_rule_prefill, gdn_chunked_core, gdn_recurrent_core
 
 NAIVE = pathlib.Path("fla", "ops", "gated_delta_rule", "naive.py")
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from mtpkit import shapes
-from mtpkit.attn.paged import paged_attention_prefill, paged_attention_verify, write_kv
+from mtpkit.kernels.paged import paged_attention_prefill, paged_attention_verify, write_kv
 
 BS, D = 4, 8
 TOL = {torch.float32: dict(atol=2e-6, rtol=1e-5), torch.float64: dict(atol=1e-13, rtol=1e-13),
@@ -173,7 +173,7 @@ def test_debug_mode_checks_shapes():
 def test_context_slots_clamp_to_the_positions_read():
     """Positions past last_pos read last_pos's slot; with first_pos (a sliding read) those
     before it read first_pos's, so blocks below a window are never touched."""
-    from mtpkit.attn.paged import context_slots
+    from mtpkit.kernels.paged import context_slots
     table = torch.tensor([[5, 7, 2, 9], [3, 0, 0, 0]])
     last, first = torch.tensor([9, 2]), torch.tensor([6, 0])
     plain = context_slots(table, last, 4, 12)

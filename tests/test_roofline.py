@@ -263,8 +263,8 @@ def test_gemma4_breakdown_labels_every_part(g_moe):
 
 
 def test_gemma4_real_configs_keep_the_pattern_and_fit_their_assistant():
-    from mtpkit.models.gemma4_assistant_config import Gemma4AssistantConfig, compatibility_problems
-    from mtpkit.models.gemma4_config import Gemma4Config
+    from mtpkit.models.gemma4.assistant_config import Gemma4AssistantConfig, compatibility_problems
+    from mtpkit.models.gemma4.config import Gemma4Config
     for model, kv in (("gemma4-31b", (16, 4)), ("gemma4-26b-a4b", (8, 2))):
         raw = roofline_configs.gemma4_config(model, 12)
         t = Gemma4Config.from_dict(raw)

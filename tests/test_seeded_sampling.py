@@ -91,9 +91,9 @@ def test_same_seed_same_tokens_in_any_batch():
 def test_rejection_sample_draws_per_position():
     """Unit level: the tokens a verify step emits are the draws at their positions whatever the
     drafts; a draft is accepted iff it equals that draw; the all-greedy path draws nothing."""
-    import mtpkit.sampling as sampling
-    from mtpkit.sampling import SamplingTensors
-    from mtpkit.speculative.rejection import rejection_sample
+    import mtpkit.sampling.sampler as sampling
+    from mtpkit.sampling.sampler import SamplingTensors
+    from mtpkit.sampling.rejection import rejection_sample
 
     g = torch.Generator().manual_seed(0)
     R, B, V = 5, 4, 12
@@ -137,7 +137,7 @@ def test_noise_is_splitmix64_of_seed_and_position():
     keys differ across positions and seeds, and E is Exp(1) (mean, variance, P(E > 1))."""
     import math
 
-    from mtpkit.sampling import _MASK, _mix64, exponential_noise, noise_keys
+    from mtpkit.sampling.sampler import _MASK, _mix64, exponential_noise, noise_keys
 
     seeds, pos = [5, -3, 2**64 - 1, 1 << 70], torch.tensor([[0, 1], [17, 18], [4095, 4096], [3, 4]])
     keys = noise_keys(seeds, pos)

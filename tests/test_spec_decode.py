@@ -236,7 +236,7 @@ def test_sampling_distribution_matches_target(ckdir, params, monkeypatch):
     # The classic bug: at the first mismatch emit a fresh draw from p (not from p without the
     # rejected draft, normalise(max(p - q, 0)), which the exponential race gives).
     import mtpkit.engine.runner as runner_mod
-    from mtpkit.sampling import target_probs
+    from mtpkit.sampling.sampler import target_probs
     real, gen = runner_mod.rejection_sample, torch.Generator().manual_seed(0)
 
     def from_p_at_rejection(logits, drafts, limit, st_, seeds, positions):
@@ -265,7 +265,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(ckdir):
 def test_verify_outcome_follows_the_accepted_tokens():
     """Position j's next token: what was emitted there if accepted, else draft j+1 (0 after
     the last); the last accepted position of row i is i * bundle + num_emitted - 1."""
-    from mtpkit.speculative.drafter import verify_outcome
+    from mtpkit.step.draft import verify_outcome
 
     g = torch.Generator().manual_seed(0)
     R, B = 5, 4

@@ -5,10 +5,10 @@ bundle, and in streaming without ever showing text a later match takes back."""
 import pytest
 
 from mtpkit import LLM, SamplingParams
-from mtpkit.detokenize import IncrementalDetokenizer
+from mtpkit.text.detokenize import IncrementalDetokenizer
 from mtpkit.engine.request import Status
 from mtpkit.errors import InputError
-from mtpkit.stop_strings import StopStringMatcher, partial_stop_len
+from mtpkit.text.stop_strings import StopStringMatcher, partial_stop_len
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, x):"]
 MAX = 40

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 import oracle
 import spec_models
 from mtpkit import LLM, ConfigError, SamplingParams
-from mtpkit.models.layers import KVParallelLinear
+from mtpkit.layers.linear import KVParallelLinear
 from mtpkit.parallel import TP
 
 ROOT = Path(__file__).resolve().parent.parent

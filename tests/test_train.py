@@ -2,7 +2,7 @@
 
 import torch
 
-from mtpkit.models.registry import resolve_model
+from mtpkit.checkpoint.hub import resolve_model
 from training.train import (SIZES, TrainArgs, build_model, forward_losses, init_from_checkpoint, set_trainable,
                           train)
 

@@ -17,7 +17,7 @@ import oracle as O  # noqa: E402
 
 pytest.importorskip("transformers")
 
-from mtpkit.models.gemma4_config import FULL as F, SLIDING as S  # noqa: E402
+from mtpkit.models.gemma4.config import FULL as F, SLIDING as S  # noqa: E402
 from training import gemma4_assistant as A  # noqa: E402
 from training import gemma4_assistant_io as AIO  # noqa: E402
 from training import gemma4_target as T  # noqa: E402
@@ -81,7 +81,7 @@ def test_target_logits_and_gradients_match_transformers(pair):
     torch.testing.assert_close(ours, logits.flatten(0, 1), rtol=1e-5, atol=1e-5)
     # gradients under transformers' names: a copy of the model holding its gradients, exported
     import copy
-    from mtpkit.models.loader import export_state_dict
+    from mtpkit.checkpoint.loader import export_state_dict
     grads = copy.deepcopy(tgt)
     with torch.no_grad():
         for (_, gp), (_, p) in zip(grads.named_parameters(), tgt.named_parameters()):
@@ -171,7 +171,7 @@ def test_draft_losses_score_each_round_as_run_alone(pair):
 
 def _one(cache, b):
     """The cache of request b alone (in block 1)."""
-    from mtpkit.engine.cache import CacheTensors
+    from mtpkit.step.cache import CacheTensors
     kv = {g: [(k[[0, b + 1]], v[[0, b + 1]]) for k, v in layers] for g, layers in cache.kv.items()}
     return CacheTensors(kv, cache.state, cache.block_size)
 

@@ -1,4 +1,4 @@
-"""The fused elementwise kernels (mtpkit/models/triton_elementwise.py) against their torch
+"""The fused elementwise kernels (mtpkit/kernels/triton_elementwise.py) against their torch
 references (elementwise.py), under the Triton interpreter on CPU (MTPKIT_TRITON_TEST_DEVICE=cuda:
 natively), and the whole engine with them (Triton backend) against the torch backend.
 
@@ -20,13 +20,13 @@ import os
 
 DEVICE = "cuda" if os.environ.get("MTPKIT_TRITON_TEST_DEVICE") == "cuda" else "cpu"
 if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # before mtpkit.models.triton_elementwise is imported
+    os.environ["TRITON_INTERPRET"] = "1"  # before mtpkit.kernels.triton_elementwise is imported
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from mtpkit.models import elementwise as ref  # noqa: E402
+from mtpkit.kernels import elementwise as ref  # noqa: E402
 
 pytest.importorskip("triton")
 if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -41,7 +41,7 @@ ROWS = [1, 3, 8]
 def kernel():
     from triton.runtime.interpreter import InterpretedFunction
 
-    mod = importlib.import_module("mtpkit.models.triton_elementwise")
+    mod = importlib.import_module("mtpkit.kernels.triton_elementwise")
     if DEVICE == "cpu" and not isinstance(mod._residual_norm_kernel, InterpretedFunction):
         mod = importlib.reload(mod)
     assert (DEVICE == "cuda") != isinstance(mod._residual_norm_kernel, InterpretedFunction)
@@ -207,7 +207,7 @@ def _counting_glue(monkeypatch):
     counting its calls. Only the glue differs from the torch run (the whole Triton backend's
     engine runs are tests/test_triton_moe.py's and test_gemma4_triton.py's), and the
     interpreter runs no attention-side kernel, which keeps the test short."""
-    from mtpkit.attn import backend, triton_backend
+    from mtpkit.kernels import ops as backend, triton_ops as triton_backend
 
     counts = dict.fromkeys(GLUE, 0)
 

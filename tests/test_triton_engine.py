@@ -39,7 +39,7 @@ def prompts():
 
 def _generate(path, prompts, backend):
     import mtpkit
-    from mtpkit.sampling import SamplingParams
+    from mtpkit.sampling.params import SamplingParams
 
     llm = mtpkit.LLM(path, dtype="float32", num_spec=2, attn_backend=backend, max_num_seqs=4,
                      max_model_len=64, graph_sizes=[1, 2, 4])

@@ -1,7 +1,7 @@
 """Every Triton kernel against its torch reference (mtpkit/attn/{gdn,conv,paged}.py).
 
 On CPU the kernels run under the Triton interpreter. `triton.jit` reads TRITON_INTERPRET
-when a kernel is DECORATED, i.e. when mtpkit.attn.triton_* is imported (not at launch), so
+when a kernel is DECORATED, i.e. when mtpkit.kernels.triton_* is imported (not at launch), so
 this module sets it before anything imports those modules, imports them only inside the
 `kernels` fixture, and reloads them there if some earlier import made compiled kernels
 (harmless otherwise: the flag changes nothing for code already imported).
@@ -24,14 +24,14 @@ import os
 
 DEVICE = "cuda" if os.environ.get("MTPKIT_TRITON_TEST_DEVICE") == "cuda" else "cpu"
 if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # before mtpkit.attn.triton_* is imported
+    os.environ["TRITON_INTERPRET"] = "1"  # before mtpkit.kernels.triton_* is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from mtpkit.attn import conv as conv_ref  # noqa: E402
-from mtpkit.attn import gdn as gdn_ref  # noqa: E402
-from mtpkit.attn import paged as paged_ref  # noqa: E402
+from mtpkit.kernels import conv as conv_ref  # noqa: E402
+from mtpkit.kernels import gdn as gdn_ref  # noqa: E402
+from mtpkit.kernels import paged as paged_ref  # noqa: E402
 
 if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip("MTPKIT_TRITON_TEST_DEVICE=cuda but CUDA is not available", allow_module_level=True)
@@ -49,10 +49,10 @@ def kernels():
     """(triton_gdn, triton_conv, triton_paged), interpreted on CPU."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    mods = [importlib.import_module(f"mtpkit.attn.triton_{n}") for n in ("gdn", "conv", "paged")]
+    mods = [importlib.import_module(f"mtpkit.kernels.triton_{n}") for n in ("gdn", "conv", "paged")]
     if DEVICE == "cpu" and not isinstance(mods[0]._gdn_verify_kernel, InterpretedFunction):
         mods = [importlib.reload(m) for m in mods]  # decorated before TRITON_INTERPRET was set
-        importlib.reload(importlib.import_module("mtpkit.attn.triton_backend"))
+        importlib.reload(importlib.import_module("mtpkit.kernels.triton_ops"))
     assert (DEVICE == "cuda") != isinstance(mods[0]._gdn_verify_kernel, InterpretedFunction)
     return mods
 
@@ -340,16 +340,16 @@ def test_entry_points_match_reference_signatures(kernels):
 
 
 def test_select_backend(kernels, monkeypatch):
-    from mtpkit.attn.backend import select_backend
+    from mtpkit.kernels.ops import select_ops
 
     monkeypatch.delenv("MTPKIT_ATTN_BACKEND", raising=False)
-    tri = select_backend(torch.device(DEVICE), "triton")
+    tri = select_ops(torch.device(DEVICE), "triton")
     assert tri.name == "triton"
     assert tri.gated_delta_rule_verify is kernels[0].gated_delta_rule_verify
-    assert select_backend(torch.device("cpu")).name == "torch"      # CPU default
-    assert select_backend(torch.device(DEVICE), "torch").name == "torch"
+    assert select_ops(torch.device("cpu")).name == "torch"      # CPU default
+    assert select_ops(torch.device(DEVICE), "torch").name == "torch"
     monkeypatch.setenv("MTPKIT_ATTN_BACKEND", "triton")
-    assert select_backend(torch.device("cpu")).name == "triton"
+    assert select_ops(torch.device("cpu")).name == "triton"
 
 
 def test_checked_in_debug_mode(kernels):
@@ -367,23 +367,23 @@ def test_checked_in_debug_mode(kernels):
 
 
 def test_triton_backend_refused_without_cuda_or_interpreter(kernels, monkeypatch):
-    from mtpkit.attn import triton_backend
+    from mtpkit.kernels import triton_ops as triton_backend
     from mtpkit.errors import ConfigError
 
     monkeypatch.setattr(triton_backend, "_interpreted", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="attn_backend='torch'"):
-        triton_backend.make_triton_backend()
+        triton_backend.make_triton_ops()
 
 
-# ---- block-scaled FP8 matmul (mtpkit/attn/triton_fp8_matmul.py vs fp8_matmul.py) ----------
+# ---- block-scaled FP8 matmul (mtpkit/kernels/triton_fp8_matmul.py vs fp8_matmul.py) ----------
 
 
 @pytest.fixture(scope="module")
 def fp8_kernel():
     from triton.runtime.interpreter import InterpretedFunction
 
-    mod = importlib.import_module("mtpkit.attn.triton_fp8_matmul")
+    mod = importlib.import_module("mtpkit.kernels.triton_fp8_matmul")
     if DEVICE == "cpu" and not isinstance(mod._fp8_block_matmul_kernel, InterpretedFunction):
         mod = importlib.reload(mod)  # decorated before TRITON_INTERPRET was set
     assert (DEVICE == "cuda") != isinstance(mod._fp8_block_matmul_kernel, InterpretedFunction)
@@ -395,7 +395,7 @@ def fp8_kernel():
                                          (70, 200, 130, (128, 128)),    # partial blocks on both dims, BM tail
                                          (5, 96, 80, (32, 16))])        # several small blocks
 def test_fp8_block_matmul(fp8_kernel, m, n, k, block, dtype):
-    from mtpkit.attn import fp8_matmul as ref
+    from mtpkit.kernels import fp8_matmul as ref
 
     g = gen(11)
     w = randn(g, n, k) * 0.1
@@ -419,7 +419,7 @@ def test_fp8_block_matmul(fp8_kernel, m, n, k, block, dtype):
                                          (20, 96, 80, (32, 16))])       # BM 64 tail; several small blocks
 def test_fp8_block_matmul_named_scale_rows(fp8_kernel, m, n, k, block, dtype):
     """A merged weight whose parts cut blocks: every row names its scale row (any order)."""
-    from mtpkit.attn import fp8_matmul as ref
+    from mtpkit.kernels import fp8_matmul as ref
 
     g = gen(12)
     wq, ws = ref.quantize(randn(g, n, k) * 0.1, block)
@@ -439,7 +439,7 @@ def test_fp8_batched_matmul(fp8_kernel, gather, dtype):
     """The MoE's products: each token-expert pair's expert gathered by index (one row each),
     or every expert of a stack over the same rows (x broadcast, stride 0); experts whose
     [2I, H] rows name their scale rows (gate and up cutting a block) in the gathered case."""
-    from mtpkit.attn import fp8_matmul as ref
+    from mtpkit.kernels import fp8_matmul as ref
 
     g = gen(13)
     E, N, K, block = 5, 160, 256, (128, 128)

@@ -1,4 +1,4 @@
-"""The fused MoE Triton kernel (mtpkit/models/triton_moe.py) against its torch reference
+"""The fused MoE Triton kernel (mtpkit/kernels/triton_moe.py) against its torch reference
 (moe_experts.py), under the Triton interpreter on CPU (MTPKIT_TRITON_TEST_DEVICE=cuda: natively).
 
 Routings cover tokens per expert 0..bundle (every token of a bundle on one expert, each on its
@@ -12,12 +12,12 @@ import os
 
 DEVICE = "cuda" if os.environ.get("MTPKIT_TRITON_TEST_DEVICE") == "cuda" else "cpu"
 if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # before mtpkit.models.triton_moe is imported
+    os.environ["TRITON_INTERPRET"] = "1"  # before mtpkit.kernels.triton_moe is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from mtpkit.models import moe_experts as ref  # noqa: E402
+from mtpkit.kernels import moe_experts as ref  # noqa: E402
 
 pytest.importorskip("triton")
 if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -30,7 +30,7 @@ E, I, H = 8, 40, 80     # I, H: not multiples of the tiles (32, 64)
 def kernel():
     from triton.runtime.interpreter import InterpretedFunction
 
-    mod = importlib.import_module("mtpkit.models.triton_moe")
+    mod = importlib.import_module("mtpkit.kernels.triton_moe")
     if DEVICE == "cpu" and not isinstance(mod._moe_gate_up_kernel, InterpretedFunction):
         mod = importlib.reload(mod)
     assert (DEVICE == "cuda") != isinstance(mod._moe_gate_up_kernel, InterpretedFunction)
@@ -119,8 +119,8 @@ def test_a_fused_backend_gathers_where_the_torch_one_computes_every_expert(kerne
     is below dense_limit: no grouped loop, as in a captured step); the same output."""
     import dataclasses
 
-    from mtpkit.attn.backend import TORCH
-    from mtpkit.models.moe import SparseMoE
+    from mtpkit.kernels.ops import TORCH
+    from mtpkit.layers.moe import SparseMoE
     from mtpkit.parallel import TP
 
     torch.manual_seed(0)
@@ -170,7 +170,7 @@ def test_engine_with_the_fused_moe_gives_the_torch_backends_tokens(kernel, tmp_p
 
     import mtpkit
     from mtpkit import SamplingParams
-    from mtpkit.models.moe import SparseMoE
+    from mtpkit.layers.moe import SparseMoE
 
     cfg = dict(model_type="qwen3_next", vocab_size=96, hidden_size=32, num_hidden_layers=2,
                full_attention_interval=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,

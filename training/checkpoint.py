@@ -52,8 +52,8 @@ def write_checkpoint(out_dir: Path, hf_config, tensors: dict[str, torch.Tensor],
 
 def hf_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """An mtpkit model's parameters under their Hugging Face checkpoint names and shapes, in
-    `dtype` (the loader's inverse, mtpkit.models.loader.export_state_dict)."""
-    from mtpkit.models.loader import export_state_dict
+    `dtype` (the loader's inverse, mtpkit.checkpoint.loader.export_state_dict)."""
+    from mtpkit.checkpoint.loader import export_state_dict
 
     return {n: t.detach().to("cpu", dtype).contiguous().clone() for n, t in export_state_dict(model).items()}
 
@@ -65,7 +65,7 @@ def verify_reload(model: torch.nn.Module, fresh: torch.nn.Module, path: Path, dt
     round-trip text."""
     from tokenizers import Tokenizer
 
-    from mtpkit.models.loader import load_checkpoint
+    from mtpkit.checkpoint.loader import load_checkpoint
     from training.corpus import check_tokenizer, tokenizer_probe_texts
 
     load_checkpoint(fresh, path, torch.float32, torch.device("cpu"))

@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtpkit.engine.cache import CacheTensors
-from mtpkit.models.gemma4 import Gemma4ForCausalLM, Gemma4RoPE, GemmaRMSNorm, kv_groups
-from mtpkit.models.gemma4_config import FULL, SLIDING, Gemma4Config
+from mtpkit.step.cache import CacheTensors
+from mtpkit.models.gemma4.model import Gemma4ForCausalLM, Gemma4RoPE, GemmaRMSNorm, kv_groups
+from mtpkit.models.gemma4.config import FULL, SLIDING, Gemma4Config
 from mtpkit.shapes import Bool, Float, Int, Tensor
 
 NAME = "tiny-gemma4-assistant"

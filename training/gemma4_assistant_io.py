@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from mtpkit.models.gemma4 import Gemma4ForCausalLM
+from mtpkit.models.gemma4.model import Gemma4ForCausalLM
 from training.gemma4_assistant import AssistantConfig, AssistantModel
 
 # Fields of the assistant's text_config that must equal the target's.

@@ -8,8 +8,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from mtpkit.models.gemma4 import Gemma4ForCausalLM
-from mtpkit.models.gemma4_config import Gemma4Config
+from mtpkit.models.gemma4.model import Gemma4ForCausalLM
+from mtpkit.models.gemma4.config import Gemma4Config
 from mtpkit.shapes import Float, Int, Tensor
 from training.gemma4_assistant import AssistantModel, rounds_input
 

@@ -23,10 +23,10 @@ import dataclasses
 
 import torch
 
-from mtpkit.models.gemma4 import Gemma4ForCausalLM
+from mtpkit.models.gemma4.model import Gemma4ForCausalLM
 from training.gemma4_assistant import AssistantModel, TargetKV, round_mask
 from training.gemma4_target import fresh_cache, prefill_step
-from mtpkit.models.gemma4_config import FULL, SLIDING
+from mtpkit.models.gemma4.config import FULL, SLIDING
 
 
 @dataclasses.dataclass

@@ -1,5 +1,5 @@
 """tiny-gemma4's target model: a small Gemma 4 text decoder (model_type `gemma4_text`), trained
-with mtpkit's own model (`mtpkit.models.gemma4`, torch attention backend) and autograd on the
+with mtpkit's own model (`mtpkit.models.gemma4.model`, torch attention backend) and autograd on the
 corpus of training/corpus.py, next-token cross-entropy only.
 
 Architecture (see SIZES): six layers, five sliding-window layers then one full-attention
@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mtpkit.attn.backend import TORCH
-from mtpkit.attn.metadata import PrefillChunk, PrefillMetadata, build_prefill
-from mtpkit.engine.cache import CacheTensors, allocate_cache
-from mtpkit.models.gemma4 import Gemma4ForCausalLM, GemmaRMSNorm
-from mtpkit.models.gemma4_config import FULL, SLIDING, Gemma4Config
-from mtpkit.models.layers import Linear
+from mtpkit.kernels.ops import TORCH
+from mtpkit.step.metadata import PrefillChunk, PrefillMetadata, build_prefill
+from mtpkit.step.cache import CacheTensors, allocate_cache
+from mtpkit.models.gemma4.model import Gemma4ForCausalLM, GemmaRMSNorm
+from mtpkit.models.gemma4.config import FULL, SLIDING, Gemma4Config
+from mtpkit.layers.linear import Linear
 from mtpkit.shapes import Float, Int, Tensor
 from training.checkpoint import dtype_name, hf_state_dict, verify_reload, write_checkpoint
 from training.corpus import EOS_ID
@@ -120,7 +120,7 @@ def init_parameters(model: Gemma4ForCausalLM, seed: int, std: float = 0.02) -> N
 
 def load_into(model: Gemma4ForCausalLM, path: Path) -> None:
     """A checkpoint of this config into the training model (float32)."""
-    from mtpkit.models.loader import load_checkpoint
+    from mtpkit.checkpoint.loader import load_checkpoint
 
     if config_of(path) != model.cfg:
         raise SystemExit(f"{path} is not a checkpoint of this --size")

@@ -2,7 +2,7 @@
 
 A small Qwen3-Next model (Gated DeltaNet and gated full attention in the real 3:1 pattern, a
 sparse MoE with a shared expert in every layer) and its MTP head are trained jointly, with
-mtpkit's own model (`mtpkit.models.qwen3_next`, torch attention backend) and autograd:
+mtpkit's own model (`mtpkit.models.qwen3_next.model`, torch attention backend) and autograd:
 
     loss = CE(next token) + sum_j mtp_weights[j] * CE(MTP pass j+1)  [+ router balance]
 
@@ -39,14 +39,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mtpkit.attn.backend import TORCH
-from mtpkit.attn.metadata import PrefillChunk, PrefillMetadata, build_prefill
-from mtpkit.models.qwen3_next_config import FULL, LINEAR, Qwen3NextConfig
-from mtpkit.engine.cache import CacheTensors, allocate_cache
-from mtpkit.models.layers import GatedRMSNorm, Linear, RMSNorm
-from mtpkit.models.loader import load_checkpoint
-from mtpkit.models.moe import SparseMoE
-from mtpkit.models.qwen3_next import GatedDeltaNet, Qwen3NextForCausalLM
+from mtpkit.kernels.ops import TORCH
+from mtpkit.step.metadata import PrefillChunk, PrefillMetadata, build_prefill
+from mtpkit.models.qwen3_next.config import FULL, LINEAR, Qwen3NextConfig
+from mtpkit.step.cache import CacheTensors, allocate_cache
+from mtpkit.layers.norm import GatedRMSNorm, RMSNorm
+from mtpkit.layers.linear import Linear
+from mtpkit.checkpoint.loader import load_checkpoint
+from mtpkit.layers.moe import SparseMoE
+from mtpkit.models.qwen3_next.model import GatedDeltaNet, Qwen3NextForCausalLM
 from mtpkit.shapes import Bool, Float, Int, Tensor
 from training import loop
 from training.checkpoint import DTYPES, dtype_name, hf_state_dict, verify_reload, write_checkpoint  # noqa: F401
@@ -398,7 +399,7 @@ def generate_continuations(model_dir: Path, n: int, prompt_len: int, new_tokens:
     inference the MTP passes read text the target wrote itself; its greedy continuations are
     that distribution (the engine decodes them with MTP, which is lossless)."""
     from mtpkit.llm import LLM
-    from mtpkit.sampling import SamplingParams
+    from mtpkit.sampling.params import SamplingParams
 
     data = load_split("train")
     g = torch.Generator().manual_seed(seed + 777)

@@ -17,9 +17,9 @@ then bounded by its window, the step's own tokens and the read-back, whatever th
 
 import dataclasses
 
-from ..errors import ConfigError
-from .cache import BlockAllocator
-from .cache_spec import CacheSpec, KVPool
+from mtpkit.errors import ConfigError
+from mtpkit.engine.allocators import BlockAllocator
+from mtpkit.step.cache_spec import CacheSpec, KVPool
 
 
 @dataclasses.dataclass

@@ -18,8 +18,8 @@ import dataclasses
 
 import torch
 
-from ..errors import ConfigError
-from .cache_spec import CacheSpec
+from mtpkit.errors import ConfigError
+from mtpkit.step.cache_spec import CacheSpec
 
 GiB = 1 << 30
 
@@ -132,12 +132,12 @@ def meta_model(family, cfg, *, path, load_format: str, device: torch.device, att
     """The model with every parameter on the meta device (shapes and dtypes, no memory), its
     modules in FP8 mode where the loader will keep FP8 weights (FP8 checkpoints; `keep_fp8`
     as the loader's: default on CUDA; from config.json and the headers)."""
-    from ..attn.backend import select_backend
-    from ..models.loader import fp8_weights, keep_fp8_linears
+    from mtpkit.kernels.ops import select_ops
+    from mtpkit.checkpoint.loader import fp8_weights, keep_fp8_linears
     keep = device.type == "cuda" if keep_fp8 is None else keep_fp8
     fp8 = fp8_weights(path) if load_format == "safetensors" and keep else None
     with torch.device("meta"):
-        model = family.model_class(cfg, select_backend(device, attn_backend), tp, **kwargs)
+        model = family.model_class(cfg, select_ops(device, attn_backend), tp, **kwargs)
         if fp8 is not None:
             keep_fp8_linears(model, *fp8)
     return model

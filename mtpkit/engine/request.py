@@ -3,8 +3,8 @@
 import dataclasses
 import enum
 
-from ..sampling import SamplingParams
-from ..stop_strings import StopStringMatcher
+from mtpkit.sampling.params import SamplingParams
+from mtpkit.text.stop_strings import StopStringMatcher
 
 
 class Status(enum.Enum):
@@ -64,7 +64,7 @@ class SpecStats:
         return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
 
     def _repr_html_(self) -> str:  # Jupyter: acceptance per position as a bar chart
-        from ..notebook.html import acceptance_bars
+        from mtpkit.notebook.html import acceptance_bars
 
         return acceptance_bars(self)
 
@@ -146,6 +146,6 @@ class RequestOutput:
         return sum(1 for j in self.token_draft_positions if j)
 
     def _repr_html_(self) -> str:  # Jupyter: the text with every token coloured by origin
-        from ..notebook.html import request_output_html
+        from mtpkit.notebook.html import request_output_html
 
         return request_output_html(self)

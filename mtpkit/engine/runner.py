@@ -12,15 +12,16 @@ bit-identical or on every rank's argmax breaking ties alike.
 
 import torch
 
-from ..attn.metadata import PrefillChunk, UniformRow, build_prefill, build_uniform
-from ..config import EngineConfig
-from ..graphs.plan import CapturePlan
-from ..graphs.runner import GraphRunner
-from ..sampling import SamplingParams, SamplingTensors
-from ..speculative.drafter import DraftInputs, Drafter, verify_outcome
-from ..speculative.rejection import rejection_sample
-from .cache import CacheTensors
-from .scheduler import ReqResult, StepKind, StepPlan
+from mtpkit.step.metadata import PrefillChunk, UniformRow, build_prefill, build_uniform
+from mtpkit.config import EngineConfig
+from mtpkit.graphs.plan import CapturePlan
+from mtpkit.graphs.runner import GraphRunner
+from mtpkit.sampling.params import SamplingParams
+from mtpkit.sampling.sampler import SamplingTensors
+from mtpkit.step.draft import DraftInputs, Drafter, verify_outcome
+from mtpkit.sampling.rejection import rejection_sample
+from mtpkit.step.cache import CacheTensors
+from mtpkit.engine.scheduler import ReqResult, StepKind, StepPlan
 
 
 class ModelRunner:

@@ -13,10 +13,10 @@ import collections
 import dataclasses
 import enum
 
-from ..config import EngineConfig
-from .cache import SlotAllocator
-from .kv_pools import KVPools
-from .request import Request, Status
+from mtpkit.config import EngineConfig
+from mtpkit.engine.allocators import SlotAllocator
+from mtpkit.engine.kv_pools import KVPools
+from mtpkit.engine.request import Request, Status
 
 
 class StepKind(enum.Enum):

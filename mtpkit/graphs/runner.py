@@ -26,13 +26,13 @@ import warnings
 
 import torch
 
-from ..attn.metadata import UniformMetadata, UniformRow, build_uniform
-from ..config import EngineConfig
-from ..engine.cache import CacheTensors
-from ..shapes import Float, Int, Tensor, checked, is_debug
-from ..speculative.drafter import DraftInputs, Drafter, verify_outcome
-from .plan import CapturePlan
-from .specialize import specialized
+from mtpkit.step.metadata import UniformMetadata, UniformRow, build_uniform
+from mtpkit.config import EngineConfig
+from mtpkit.step.cache import CacheTensors
+from mtpkit.shapes import Float, Int, Tensor, checked, is_debug
+from mtpkit.step.draft import DraftInputs, Drafter, verify_outcome
+from mtpkit.graphs.plan import CapturePlan
+from mtpkit.graphs.specialize import specialized
 
 MIN_CPU_CONTEXT = 64  # smallest context bucket of a CPU graph
 # A CPU graph is traced on its (n, context)'s next replay after this many direct calls. Tracing

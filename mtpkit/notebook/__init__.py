@@ -2,8 +2,8 @@
 HTML of the rich displays. Needs ipywidgets (the `notebook` extra) for the widgets only;
 outside a notebook `watch` prints plain text."""
 
-from . import view
-from .trace_viewer import TraceViewer
-from .view import SpecView, in_notebook, stats_line, watch
+from mtpkit.notebook import view
+from mtpkit.notebook.trace_viewer import TraceViewer
+from mtpkit.notebook.view import SpecView, in_notebook, stats_line, watch
 
 __all__ = ["watch", "SpecView", "TraceViewer", "in_notebook", "stats_line", "view"]

@@ -8,7 +8,7 @@ browser check and the notebook tests read the origins back from them.
 
 import html
 
-from ..detokenize import IncrementalDetokenizer
+from mtpkit.text.detokenize import IncrementalDetokenizer
 
 # Background of a token by origin: index 0 is the target's own token, j an accepted draft of
 # position j (positions past the palette reuse its last colour).

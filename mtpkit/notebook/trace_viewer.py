@@ -1,6 +1,6 @@
 """The debug viewer: a shape trace as a table, filtered by function and dimension."""
 
-from ..shapes import DIMS, ShapeTrace
+from mtpkit.shapes import DIMS, ShapeTrace
 
 
 class TraceViewer:

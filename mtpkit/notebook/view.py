@@ -20,10 +20,10 @@ import dataclasses
 import threading
 import time
 
-from ..detokenize import IncrementalDetokenizer
-from ..engine.request import RequestOutput, SpecStats
-from . import html as H
-from .stop_channel import route_to_subshell, ui_poll
+from mtpkit.text.detokenize import IncrementalDetokenizer
+from mtpkit.engine.request import RequestOutput, SpecStats
+from mtpkit.notebook import html as H
+from mtpkit.notebook.stop_channel import route_to_subshell, ui_poll
 
 
 def in_notebook() -> bool:
@@ -152,9 +152,9 @@ def watch(llm, prompts, sampling_params=None, *, display: bool | None = None,
     view inside a notebook with ipywidgets. refresh: seconds between redraws of the bars and
     tokens/s (the text is redrawn every step). Returns one RequestOutput per prompt, in order;
     a stopped or interrupted call returns its requests with finish_reason "abort"."""
-    from ..llm import _prompt_list
+    from mtpkit.engine.inputs import prompt_list
 
-    prompts = _prompt_list(prompts)
+    prompts = prompt_list(prompts)
     _check(llm, prompts, sampling_params)   # bad input is refused before the view is drawn
     if display is None:
         display = in_notebook()
@@ -190,7 +190,7 @@ def watch(llm, prompts, sampling_params=None, *, display: bool | None = None,
 
 def _check(llm, prompts: list, sampling_params) -> None:
     """The call's input errors, as LLM.stream would raise them (it checks again)."""
-    from ..errors import InputError
+    from mtpkit.errors import InputError
 
     params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
     if len(params) != len(prompts):

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 
-from ..engine.cache import CacheTensors
-from ..errors import ConfigError
-from ..shapes import Int, Tensor, checked
-from .drafter import DraftInputs, Drafter, DraftSetup, draft_pass_metadata, proposal_kv_slots
+from mtpkit.step.cache import CacheTensors
+from mtpkit.errors import ConfigError
+from mtpkit.shapes import Int, Tensor, checked
+from mtpkit.step.draft import DraftInputs, Drafter
+from mtpkit.speculative.drafter import DraftSetup, draft_pass_metadata, proposal_kv_slots
 
 PREFIX = "draft."
 

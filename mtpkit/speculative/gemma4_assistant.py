@@ -19,18 +19,19 @@ from pathlib import Path
 
 import torch
 
-from ..attn.paged import context_slots
-from ..engine.cache import CacheTensors
-from ..engine.cache_spec import CacheSpec
-from ..errors import CheckpointError, ConfigError
-from ..models.gemma4 import Gemma4ForCausalLM
-from ..models.gemma4_assistant import Gemma4Assistant, KVRead
-from ..models.gemma4_assistant_config import Gemma4AssistantConfig, compatibility_problems, kv_source_of_type
-from ..models.gemma4_config import Gemma4Config
-from ..models.loader import checkpoint_index
-from ..models.registry import ModelFamily
-from ..shapes import Int, Tensor, checked
-from .drafter import DraftInputs, Drafter, DraftSetup
+from mtpkit.kernels.paged import context_slots
+from mtpkit.step.cache import CacheTensors
+from mtpkit.step.cache_spec import CacheSpec
+from mtpkit.errors import CheckpointError, ConfigError
+from mtpkit.models.gemma4.model import Gemma4ForCausalLM
+from mtpkit.models.gemma4.assistant import Gemma4Assistant, KVRead
+from mtpkit.models.gemma4.assistant_config import Gemma4AssistantConfig, compatibility_problems, kv_source_of_type
+from mtpkit.models.gemma4.config import Gemma4Config
+from mtpkit.checkpoint.loader import checkpoint_index
+from mtpkit.models.registry import ModelFamily
+from mtpkit.shapes import Int, Tensor, checked
+from mtpkit.step.draft import DraftInputs, Drafter
+from mtpkit.speculative.drafter import DraftSetup
 
 # Not a target family (it cannot run alone): what the loader builds the assistant's weights as.
 FAMILY = ModelFamily("gemma4_assistant", Gemma4AssistantConfig, Gemma4Assistant)

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import torch
 
-from ..engine.cache import CacheTensors
-from ..errors import ConfigError
-from ..models.loader import checkpoint_index
-from ..models.qwen3_next import Qwen3NextForCausalLM
-from ..models.qwen3_next_config import Qwen3NextConfig
-from ..shapes import Int, Tensor, checked
-from .drafter import DraftInputs, Drafter, DraftSetup, draft_pass_metadata, proposal_kv_slots
+from mtpkit.step.cache import CacheTensors
+from mtpkit.errors import ConfigError
+from mtpkit.checkpoint.loader import checkpoint_index
+from mtpkit.models.qwen3_next.model import Qwen3NextForCausalLM
+from mtpkit.models.qwen3_next.config import Qwen3NextConfig
+from mtpkit.shapes import Int, Tensor, checked
+from mtpkit.step.draft import DraftInputs, Drafter
+from mtpkit.speculative.drafter import DraftSetup, draft_pass_metadata, proposal_kv_slots
 
 
 def has_mtp_weights(path: Path) -> bool:

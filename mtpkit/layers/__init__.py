@@ -1,0 +1,3 @@
+"""Building blocks the families share: the linear family with tensor parallelism (`linear.py`),
+norms, RoPE, the dense MLP, the MoE and the FP8 weight layouts.
+"""

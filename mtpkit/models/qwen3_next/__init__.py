@@ -1,0 +1,2 @@
+"""Qwen3-Next: hybrid Gated DeltaNet + gated attention + MoE, with its MTP head.
+"""

@@ -1,0 +1,50 @@
+"""SamplingParams: what a request asks of the sampler (names as vLLM's), validated before
+anything is queued.
+"""
+
+import dataclasses
+import math
+
+from mtpkit.errors import InputError
+
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's largest seed
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0              # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    stop: list[str] = dataclasses.field(default_factory=list)   # stop strings, excluded from the text
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InputError naming the bad field and its valid range."""
+        problems = []
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            problems.append(f"max_tokens={self.max_tokens!r} must be an int >= 1")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            problems.append(f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            problems.append(f"top_k={self.top_k!r} must be an int >= 0 (0 = off)")
+        elif vocab_size is not None and self.top_k > vocab_size:
+            problems.append(f"top_k={self.top_k} exceeds the vocabulary size {vocab_size}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            problems.append(f"top_p={self.top_p!r} must be in (0, 1]")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            problems.append(f"seed={self.seed!r} must be an int or None")
+        elif self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            # torch.Generator.manual_seed takes 64 bits (a negative seed aliases seed + 2**64)
+            problems.append(f"seed={self.seed} must be in 0..2**64-1")
+        bad_stop = [t for t in self.stop_token_ids
+                    if not isinstance(t, int) or (vocab_size is not None and not 0 <= t < vocab_size)]
+        if bad_stop:
+            problems.append(f"stop_token_ids {bad_stop} are not token ids in 0..{(vocab_size or 0) - 1}")
+        if not isinstance(self.stop, list) or not all(isinstance(x, str) and x for x in self.stop):
+            problems.append(f"stop={self.stop!r} must be a list of non-empty strings")
+        if problems:
+            raise InputError("invalid SamplingParams: " + "; ".join(problems))

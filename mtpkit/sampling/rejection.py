@@ -1,0 +1,56 @@
+"""Lossless verification of drafts against the target (one batched call per verify step).
+
+Every row first decides the target's own token at each bundle position j (the token at
+absolute position positions[row] + j): the argmax for greedy rows; for random rows the
+exponential race argmax_i p_i / E_i, whose E are a function of (request seed, position) only
+(mtpkit.sampling.sampler). A draft is accepted while it equals the target's token at its position and
+the draft limit allows; the row emits the accepted drafts, then the target's token at the
+first position not accepted (the correction at a mismatch, the bonus after the last allowed
+draft). tokens[i, :num_emitted[i]] is therefore the target's tokens at those positions, and
+the output is the target's own sampling whatever the drafts: greedy decoding for greedy rows,
+for seeded random rows the very tokens the same seed gives without speculation.
+
+Lossless for random rows, in the standard rejection-sampling terms: the drafter is greedy, so
+its q is one-hot on the draft d. The race's winner is distributed as p, so d is accepted with
+probability p(d) = min(1, p(d)/q(d)); given a mismatch the winner is distributed as p
+restricted to tokens != d and renormalised, which is normalise(max(p - q, 0)). That is
+standard rejection sampling, coupled so that it needs no separate uniform: the emitted tokens
+are distributed exactly as sampling the target alone. Each random row draws bundle * vocab
+noise values per step whatever is accepted, and all-greedy steps draw nothing.
+
+With num_spec = 0 (bundle 1) this is plain sampling: one path for both.
+"""
+
+import torch
+
+from mtpkit.shapes import Float, Int, Tensor, checked
+from mtpkit.sampling.sampler import SamplingTensors, sample_tokens, target_probs
+
+
+@checked
+def rejection_sample(
+    logits: Float[Tensor, "num_reqs bundle vocab"],
+    drafts: Int[Tensor, "num_reqs bundle-1"],
+    draft_limit: Int[Tensor, "num_reqs"],
+    st: SamplingTensors,
+    seeds: list,
+    positions: list,
+) -> tuple[Int[Tensor, "num_reqs bundle"], Int[Tensor, "num_reqs"]]:
+    """Returns (tokens, num_emitted): row i emits tokens[i, :num_emitted[i]], which are its
+    accepted drafts followed by one target token; num_emitted - 1 drafts were accepted.
+    `draft_limit[i]` caps the drafts that may be accepted (a request near max_model_len or
+    max_tokens drafts only what fits); drafts past it are never accepted.
+    `seeds[i]`: row i's sampling seed (None for a greedy row); `positions[i]`: the absolute
+    position of the token sampled at bundle index 0 (index j samples position + j)."""
+    R, B, _ = logits.shape
+    k = B - 1
+    target = logits.argmax(-1)
+    if not st.all_greedy:
+        rand = [i for i, g in enumerate(st.greedy.tolist()) if not g]
+        probs = target_probs(logits, st)[rand]                          # p [random rows, B, V] fp32
+        drawn = sample_tokens(probs, [seeds[i] for i in rand], [positions[i] for i in rand])
+        target[rand] = drawn
+    allowed = torch.arange(k, device=logits.device)[None, :] < draft_limit[:, None]
+    accept = (drafts == target[:, :k]) & allowed
+    n_acc = accept.long().cumprod(-1).sum(-1)
+    return target, n_acc + 1  # accepted drafts equal the target's tokens, so emit the target row

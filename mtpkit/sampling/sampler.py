@@ -1,0 +1,136 @@
+"""Sampling parameters, their per-step tensors, the target distribution p, and the draws.
+
+Greedy rows (temperature 0) take the argmax; random rows apply temperature, then top-k, then
+top-p (`target_probs`), and draw with an exponential race (`sample_tokens`): the token at a
+position is argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. over the vocabulary. Since
+P(E_i / p_i < E_j / p_j for all j != i) = p_i, that is exactly a sample from p (the
+Gumbel-max trick: -log E_i is Gumbel).
+
+The E are not drawn from a stream. They are a pure function of (request seed, absolute
+position of the token being sampled, vocabulary index): a 64-bit key hashed from (seed,
+position) with splitmix64, injective in the position for a given seed, then the splitmix64
+sequence of that key over the vocabulary (`noise_keys`, `exponential_noise`). So a token's
+randomness does not depend on how many draws came before it: a seeded request gives the same
+tokens whatever else is in the batch, when it is preempted and recomputed, and however the
+steps are scheduled; with speculation the drafts only decide how many of these tokens a step
+emits (see sampling/rejection.py). The noise is integer arithmetic on tensors (the same
+integers on every device), and a random row always costs the same: bundle * vocab values per
+step, whatever is accepted.
+(torch.Generator would not do: a CPU generator keeps only the low 32 bits of its seed.)
+"""
+
+
+import torch
+
+from mtpkit.shapes import Bool, Float, Int, Tensor, checked, shaped_dataclass
+from mtpkit.sampling.params import SamplingParams
+
+
+@shaped_dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling settings of one step (real rows only)."""
+
+    temperature: Float[Tensor, "num_reqs"]
+    top_k: Int[Tensor, "num_reqs"]
+    top_p: Float[Tensor, "num_reqs"]
+    greedy: Bool[Tensor, "num_reqs"]
+    all_greedy: bool
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], device) -> "SamplingTensors":
+        temps = [p.temperature for p in params]
+        return cls(
+            temperature=torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            greedy=torch.tensor([t == 0 for t in temps], dtype=torch.bool, device=device),
+            all_greedy=all(t == 0 for t in temps),
+        )
+
+
+@checked
+def target_probs(
+    logits: Float[Tensor, "num_reqs bundle vocab"], st: SamplingTensors
+) -> Float[Tensor, "num_reqs bundle vocab"]:
+    """p: temperature, top-k, top-p applied per row (fp32). Greedy rows get a one-hot argmax."""
+    x = logits.float() / st.temperature[:, None, None]
+    V = x.shape[-1]
+    if bool((st.top_k > 0).any()):
+        k = torch.where(st.top_k > 0, st.top_k, V).clamp(max=V)
+        kth = torch.sort(x, dim=-1, descending=True).values.gather(-1, (k - 1)[:, None, None].expand(-1, x.shape[1], 1))
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if bool((st.top_p < 1.0).any()):
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= st.top_p[:, None, None]
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if bool(st.greedy.any()):
+        onehot = torch.nn.functional.one_hot(logits.argmax(-1), V).to(probs.dtype)
+        probs = torch.where(st.greedy[:, None, None], onehot, probs)
+    return probs
+
+
+_MASK = (1 << 64) - 1
+_GOLDEN, _MUL1, _MUL2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's output function of x + golden ratio (Python ints): a bijection of 64-bit
+    integers. The tensor functions below compute the same, in int64 tensors."""
+    x = (x + _GOLDEN) & _MASK
+    x = ((x ^ (x >> 30)) * _MUL1) & _MASK
+    x = ((x ^ (x >> 27)) * _MUL2) & _MASK
+    return x ^ (x >> 31)
+
+
+def _signed(c: int) -> int:
+    """A 64-bit unsigned value as the int64 with the same bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+@checked
+def _shr(z: Int[Tensor, "num_reqs bundle *vocab"], s: int) -> Int[Tensor, "num_reqs bundle *vocab"]:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return torch.bitwise_right_shift(z, s).bitwise_and_((1 << (64 - s)) - 1)
+
+
+@checked
+def _finalize_(z: Int[Tensor, "num_reqs bundle *vocab"]) -> Int[Tensor, "num_reqs bundle *vocab"]:
+    """splitmix64's output function, in place (int64 arithmetic wraps modulo 2^64 in torch)."""
+    z.bitwise_xor_(_shr(z, 30)).mul_(_signed(_MUL1))
+    z.bitwise_xor_(_shr(z, 27)).mul_(_signed(_MUL2))
+    return z.bitwise_xor_(_shr(z, 31))
+
+
+@checked
+def noise_keys(seeds: list, positions: Int[Tensor, "num_reqs bundle"]) -> Int[Tensor, "num_reqs bundle"]:
+    """The 64-bit key of (request seed, token position) for each row's positions:
+    mix64(mix64(seed) ^ position). For one seed distinct positions get distinct keys (mix64 is
+    a bijection); two pairs with different seeds share a key with probability 2^-64. Seeds
+    are taken modulo 2^64."""
+    base = torch.tensor([_signed(_mix64(s & _MASK)) for s in seeds], dtype=torch.int64).to(positions.device)
+    return _finalize_((base[:, None] ^ positions).add_(_signed(_GOLDEN)))
+
+
+@checked
+def exponential_noise(keys: Int[Tensor, "num_reqs bundle"], vocab: int) -> Float[Tensor, "num_reqs bundle vocab"]:
+    """E ~ Exp(1) for every (row, position, token): element i of the splitmix64 sequence of the
+    key, its top 53 bits as a uniform u in (0, 1), E = -log(u) in float64. In place where it
+    can: it runs at vocabulary size."""
+    steps = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device).mul_(_signed(_GOLDEN))
+    z = _finalize_(keys[..., None] + steps)
+    return _shr(z, 11).double().add_(0.5).mul_(2.0 ** -53).log_().neg_()
+
+
+@checked
+def sample_tokens(
+    probs: Float[Tensor, "num_reqs bundle vocab"], seeds: list, positions: list
+) -> Int[Tensor, "num_reqs bundle"]:
+    """The token at each (row, bundle index j): argmax_i p_i / E_i, with the E of (seeds[row],
+    positions[row] + j). A fixed number of values per row, whatever is accepted later."""
+    R, B, V = probs.shape
+    pos = torch.tensor(positions, dtype=torch.int64).to(probs.device)[:, None] + torch.arange(B, device=probs.device)
+    return exponential_noise(noise_keys(seeds, pos), V).reciprocal_().mul_(probs).argmax(-1)

@@ -1,0 +1,79 @@
+"""Cache storage and its allocators, as a model's `CacheSpec` declares them (cache_spec.py).
+
+- Paged KV, one K and one V tensor [num_blocks, block_size, kv_heads, head_dim] per layer of
+  every KV group, num_blocks being its pool's (groups live in pools by window:
+  cache_spec.KVPool; engine/kv_pools.py lends their blocks). Block 0 of every pool is the null
+  block: padded rows read and write it, no request ever owns it.
+- State slots, one tensor [num_slots, *shape] per layer and state name of every state group.
+  Slot 0 is the null slot. A request owns `bundle` slots (the speculative state contract of
+  DESIGN.md). A model without state groups has no slot pool: its requests hold no slots.
+"""
+
+import dataclasses
+
+import torch
+
+from mtpkit.shapes import Float, Tensor
+from mtpkit.step.cache_spec import CacheSpec
+
+
+@dataclasses.dataclass
+class CacheTensors:
+    """The storage the attention backends read and write; the model never owns a cache.
+    kv[group][layer] = (K, V); state[group][layer][name] = that state's slots;
+    pool_index[group] = the index of the group's pool in a step's stacked block tables
+    (metadata `block_tables[pool]`, `slot_mappings[pool]`)."""
+
+    kv: dict[str, list[tuple[Float[Tensor, "num_blocks block_size kv_heads head_dim"],
+                             Float[Tensor, "num_blocks block_size kv_heads head_dim"]]]]
+    state: dict[str, list[dict[str, Tensor]]]
+    block_size: int
+    pool_index: dict[str, int] = dataclasses.field(default_factory=dict)
+    pool_windows: tuple[int | None, ...] = ()   # each pool's sliding window (None: full attention)
+
+    def num_blocks(self, group: str) -> int:
+        return self.kv[group][0][0].shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return next((next(iter(layers[0].values())).shape[0] for layers in self.state.values() if layers), 0)
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """Every tensor, in a fixed order (a captured graph's cache arguments)."""
+        kv = tuple(t for layers in self.kv.values() for kv in layers for t in kv)
+        return kv + tuple(layer[n] for layers in self.state.values() for layer in layers for n in sorted(layer))
+
+    def with_tensors(self, flat) -> "CacheTensors":
+        """The same structure over `flat` (as `tensors()` orders them): a traced graph's
+        cache arguments seen as a cache again."""
+        it = iter(flat)
+        kv = {g: [(next(it), next(it)) for _ in layers] for g, layers in self.kv.items()}
+        state = {g: [{n: next(it) for n in sorted(layer)} for layer in layers] for g, layers in self.state.items()}
+        return CacheTensors(kv, state, self.block_size, self.pool_index, self.pool_windows)
+
+    def sub(self, prefix: str) -> "CacheTensors":
+        """The groups named `prefix...`, under their names without it: what a drafter that
+        declared its groups under a prefix reads."""
+        def strip(groups):
+            return {g[len(prefix):]: v for g, v in groups.items() if g.startswith(prefix)}
+        return CacheTensors(strip(self.kv), strip(self.state), self.block_size, strip(self.pool_index),
+                            self.pool_windows)
+
+
+def allocate_cache(spec: CacheSpec, *, num_blocks: int | dict[str, int], num_slots: int, block_size: int,
+                   dtype: torch.dtype, device: torch.device) -> CacheTensors:
+    """Zeroed storage for every declared group (zeros keep the null block / slot finite).
+    `num_blocks`: per pool name (an int: the same for every pool)."""
+    def zeros(shape, dt=dtype):
+        return torch.zeros(shape, dtype=dt, device=device)
+
+    pools = spec.pools
+    sizes = num_blocks if isinstance(num_blocks, dict) else {p.name: num_blocks for p in pools}
+    index = {g.name: i for i, p in enumerate(pools) for g in p.groups}
+    kv = {g.name: [(zeros((sizes[g.pool], block_size, g.kv_heads, g.head_dim)),
+                    zeros((sizes[g.pool], block_size, g.kv_heads, g.head_dim))) for _ in range(g.num_layers)]
+          for g in spec.kv}
+    state = {g.name: [{n: zeros((num_slots,) + t.shape, t.dtype(dtype)) for n, t in g.tensors.items()}
+                      for _ in range(g.num_layers)]
+             for g in spec.state}
+    return CacheTensors(kv, state, block_size, index, tuple(p.sliding_window for p in pools))

@@ -1,0 +1,80 @@
+"""The drafter interface: what a drafter reads after a target step, what it returns, and what
+it declares before any weight is read.
+
+After every target step the engine hands the drafter a `DraftInputs` (the step's tokens,
+positions, the target's final hidden states, the token after each position and each row's
+last accepted index) and gets `[num_reqs_padded, num_spec]` greedy drafts back. After a
+verify step this runs inside the same captured graph family as the verify step (CUDA graph;
+CPU trace), so a drafter computes everything on the device from tensors: no host reads.
+
+A drafter declares (`DraftSetup`, from config.json alone):
+- the cache groups it owns (its own paged KV, allocated in the target's block pool under a
+  name prefix), or none when it reads the target's;
+- `kv_lookahead`: KV positions it writes past the last position the target step wrote (the
+  scheduler reserves blocks for them);
+- `kv_read_back`: positions before a sliding window's start (p - W + 1 for a query at p) it
+  still reads (the scheduler keeps those blocks);
+- what the target model must build for it (the MTP head lives in the target checkpoint);
+- its tensor-parallel constraints.
+Drafts are greedy (argmax): the rejection sampler treats them as one-hot proposals.
+"""
+
+
+import torch
+
+from mtpkit.shapes import Float, Int, Tensor, checked, shaped_dataclass
+from mtpkit.step.cache import CacheTensors
+from mtpkit.step.metadata import PrefillMetadata, UniformMetadata
+
+
+@shaped_dataclass(frozen=True)
+class DraftInputs:
+    """One target step, as a drafter reads it. Rows are the requests to draft for (a verify
+    step: every row, padded ones included; a prefill: the prompts that finished)."""
+
+    hidden: Float[Tensor, "num_tokens hidden"]          # the target's final (post-norm) hidden states
+    token_ids: Int[Tensor, "num_tokens"]                # the tokens the step fed
+    next_tokens: Int[Tensor, "num_tokens"]              # the token after each position
+    positions: Int[Tensor, "num_tokens"]
+    slot_mappings: Int[Tensor, "kv_pools num_tokens"]   # the KV slot of every position, in each pool
+    last_idx: Int[Tensor, "num_reqs_padded"]            # each row's last accepted token (flat index)
+    block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"]
+    max_seq_len: int                                    # longest sequence of the step
+    # The step's own metadata, for a drafter that runs a model over the step's tokens. None in
+    # a traced prefill proposal (only drafters with `needs_step_metadata` False are traced there).
+    meta: PrefillMetadata | UniformMetadata | None = None
+
+
+class Drafter:
+    """Base of every drafter. `propose` after a step that samples; `observe` after a prefill
+    chunk that samples nothing (a drafter with its own KV fills it there)."""
+
+    num_spec: int
+    needs_step_metadata = False
+
+    def propose(self, inp: DraftInputs, cache: CacheTensors) -> Int[Tensor, "num_reqs_padded num_spec"]:
+        raise NotImplementedError
+
+    def observe(self, inp: DraftInputs, cache: CacheTensors) -> None:
+        pass
+
+
+@checked
+def verify_outcome(
+    token_ids: Int[Tensor, "num_reqs_padded bundle"],
+    tokens: Int[Tensor, "num_reqs_padded bundle"],
+    num_emitted: Int[Tensor, "num_reqs_padded"],
+) -> tuple[Int[Tensor, "num_tokens"], Int[Tensor, "num_reqs_padded"]]:
+    """After a verify step that fed `token_ids` ([last token, d_1..d_k] per row) and emitted
+    tokens[i, :num_emitted[i]]: the token after each bundle position (what was emitted at
+    the accepted positions, the next draft d_{j+1} after them; 0 after the last) and the flat
+    index of each row's last accepted position. (Inert padded rows emit one token 0 and keep
+    pointing at null storage.)"""
+    R, B = token_ids.shape
+    after = torch.cat([token_ids[:, 1:], torch.zeros_like(token_ids[:, :1])], dim=1)    # d_{j+1}
+    accepted = torch.arange(B, device=tokens.device)[None, :] < num_emitted[:, None]
+    next_tokens = torch.where(accepted, tokens, after)
+    last_idx = torch.arange(R, device=tokens.device) * B + num_emitted - 1
+    return next_tokens.reshape(-1), last_idx
+
+

@@ -1,0 +1,174 @@
+"""Attention metadata: typed dataclasses built by pure functions from a scheduled step.
+
+Two layouts, and only two:
+- PREFILL: ragged chunks of prompts, packed token-major (`query_start_loc`), run eager.
+- UNIFORM: every row feeds the same number of query tokens (`q_len`), request-major. A verify
+  step has q_len = bundle tokens per row (num_spec + 1; 1 without speculation), a drafter's
+  one-token pass has q_len = 1 (its own dimension, so a trace never reads "bundle=1").
+  Rows are padded to `num_reqs_padded` (a captured graph size). Padded rows are real rows
+  that point at null storage: token 0, positions 0..q-1, seq_len q, block-table row of the
+  null block (0), state slots of the null slot (0), prev_num_emitted 1. They compute finite
+  garbage into null storage and are never sampled.
+
+KV blocks: a request has one block table per KV pool (engine/kv_pools.py: full attention, and
+one pool per sliding window, whose tables hold only the blocks the window can still read), so
+the tables and slot mappings are stacked over pools: `block_tables[pool]`, `slot_mappings[pool]`
+(a layer finds its pool in `CacheTensors.pool_index`).
+
+Builders run on the host (lists -> one tensor each) and move every tensor to the device once.
+"""
+
+import dataclasses
+
+import torch
+
+from mtpkit.shapes import Bool, Int, Tensor, checked, shaped_dataclass
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    """One request's share of a prefill step: tokens at positions start .. start+len-1."""
+
+    token_ids: list[int]
+    start: int                 # tokens of this request already in the caches
+    block_ids: list[list[int]]  # per KV pool: logical block -> block id
+    state_slots: list[int]     # the request's state slots (empty: the model keeps no state)
+
+
+@dataclasses.dataclass(frozen=True)
+class UniformRow:
+    """One request's row of a uniform step."""
+
+    token_ids: list[int]       # q tokens: [last sampled, drafts...] (verify) or [draft] (MTP)
+    start: int                 # position of token_ids[0]
+    block_ids: list[list[int]]  # per KV pool (empty lists: a padded row's null block)
+    state_slots: list[int]     # the request's bundle state slots (verify); ignored by draft passes
+    prev_num_emitted: int          # tokens accepted for this request in its previous step (>= 1)
+
+
+@shaped_dataclass(frozen=True)
+class PrefillMetadata:
+    seq_lens: Int[Tensor, "num_reqs"]                  # cached prefix + this chunk
+    query_start_loc: Int[Tensor, "num_reqs+1"]
+    block_tables: Int[Tensor, "kv_pools num_reqs max_blocks"]
+    slot_mappings: Int[Tensor, "kv_pools num_tokens"]  # KV slot of every token, in each pool
+    state_slots: Int[Tensor, "num_reqs bundle"]        # each request's state slots
+    has_initial_state: Bool[Tensor, "num_reqs"]        # a previous chunk left state behind
+    logits_indices: Int[Tensor, "num_reqs"]            # the last token of every chunk
+    num_reqs: int
+    max_seq_len: int                                   # host copy, so attention needs no sync
+
+
+@shaped_dataclass(frozen=True)
+class UniformMetadata:
+    seq_lens: Int[Tensor, "num_reqs_padded"]           # context including this step's tokens
+    block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"]
+    slot_mappings: Int[Tensor, "kv_pools num_tokens"]
+    state_slots: Int[Tensor, "num_reqs_padded q_len"]  # verify: the request's bundle slots
+    prev_num_emitted: Int[Tensor, "num_reqs_padded"]
+    num_reqs: int                                      # real rows; the rest are padding
+    num_reqs_padded: int
+    q_len: int                                         # query tokens per row
+    max_seq_len: int
+    # The KV-cache slot of every position 0..ctx_len-1 of each row in each pool, or None:
+    # computed from the block tables. A drafter's proposal computes it once for all its passes
+    # (speculative.drafter.proposal_kv_slots); the torch attention then gathers through it (the
+    # Triton kernel walks the block table either way).
+    kv_slots: Int[Tensor, "kv_pools num_reqs_padded ctx_len"] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_reqs_padded * self.q_len
+
+
+def _block_tables(rows: list[list[list[int]]], max_blocks: int) -> Tensor:
+    """[pools, rows, max_blocks] from each row's per-pool block ids."""
+    pools = len(rows[0])
+    table = torch.zeros(pools, len(rows), max_blocks, dtype=torch.int64)
+    for i, per_pool in enumerate(rows):
+        for p, ids in enumerate(per_pool):
+            if ids:
+                table[p, i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+    return table
+
+
+def _slots(positions: Int[Tensor, "num_tokens"], tables: Int[Tensor, "kv_pools num_reqs max_blocks"],
+           row_of_token: Int[Tensor, "num_tokens"], block_size: int) -> Int[Tensor, "kv_pools num_tokens"]:
+    blocks = tables[:, row_of_token, positions // block_size]
+    return blocks * block_size + positions % block_size
+
+
+@checked
+def build_prefill(
+    chunks: list[PrefillChunk], block_size: int, max_blocks: int, device: torch.device
+) -> tuple[Int[Tensor, "num_tokens"], Int[Tensor, "num_tokens"], PrefillMetadata]:
+    """token_ids, positions and metadata of a prefill step."""
+    lens = [len(c.token_ids) for c in chunks]
+    for c in chunks:
+        need = -(-(c.start + len(c.token_ids)) // block_size)
+        assert all(len(ids) >= need for ids in c.block_ids), "scheduler must allocate blocks before building"
+    token_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
+    positions = torch.cat([torch.arange(c.start, c.start + n) for c, n in zip(chunks, lens)])
+    row = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(lens))
+    tables = _block_tables([c.block_ids for c in chunks], max_blocks)
+    qsl = torch.zeros(len(chunks) + 1, dtype=torch.int64)
+    qsl[1:] = torch.cumsum(torch.tensor(lens), 0)
+    seq_lens = torch.tensor([c.start + n for c, n in zip(chunks, lens)], dtype=torch.int64)
+    meta = PrefillMetadata(
+        seq_lens=seq_lens.to(device),
+        query_start_loc=qsl.to(device),
+        block_tables=tables.to(device),
+        slot_mappings=_slots(positions, tables, row, block_size).to(device),
+        state_slots=torch.tensor([c.state_slots for c in chunks], dtype=torch.int64, device=device),
+        has_initial_state=torch.tensor([c.start > 0 for c in chunks], dtype=torch.bool, device=device),
+        logits_indices=(qsl[1:] - 1).to(device),
+        num_reqs=len(chunks),
+        max_seq_len=int(seq_lens.max()),
+    )
+    return token_ids.to(device), positions.to(device), meta
+
+
+def padded_row(q: int, bundle_slots: int, pools: int) -> UniformRow:
+    """The inert row that pads a uniform step (see the module docstring)."""
+    return UniformRow(token_ids=[0] * q, start=0, block_ids=[[] for _ in range(pools)],
+                      state_slots=[0] * bundle_slots, prev_num_emitted=1)
+
+
+@checked
+def build_uniform(
+    rows: list[UniformRow], num_reqs_padded: int, block_size: int, max_blocks: int,
+    device: torch.device,
+) -> tuple[Int[Tensor, "num_tokens"], Int[Tensor, "num_tokens"], UniformMetadata]:
+    """token_ids, positions and metadata of a uniform step padded to num_reqs_padded rows."""
+    q = len(rows[0].token_ids)
+    nslots = len(rows[0].state_slots)
+    if any(len(r.token_ids) != q or len(r.state_slots) != nslots for r in rows):
+        raise ValueError("uniform step rows must all feed the same number of tokens")
+    if not 1 <= len(rows) <= num_reqs_padded:
+        raise ValueError(f"{len(rows)} rows do not fit num_reqs_padded={num_reqs_padded}")
+    num_reqs, pools = len(rows), len(rows[0].block_ids)
+    rows = rows + [padded_row(q, nslots, pools)] * (num_reqs_padded - num_reqs)
+    # Plain Python on the host (a few ints per row), then one tensor per field: cheaper than
+    # tensor arithmetic at decode batch sizes.
+    positions = [p for r in rows for p in range(r.start, r.start + q)]
+    slots = [[(ids[p // block_size] if ids else 0) * block_size + p % block_size
+              for r in rows for ids in (r.block_ids[k],) for p in range(r.start, r.start + q)]
+             for k in range(pools)]
+    table = [[ids + [0] * (max_blocks - len(ids)) for r in rows for ids in (r.block_ids[k],)] for k in range(pools)]
+    seq_lens = [r.start + q for r in rows]
+
+    def as_tensor(x):
+        return torch.tensor(x, dtype=torch.int64, device=device)
+
+    meta = UniformMetadata(
+        seq_lens=as_tensor(seq_lens),
+        block_tables=as_tensor(table),
+        slot_mappings=as_tensor(slots),
+        state_slots=as_tensor([r.state_slots for r in rows]),
+        prev_num_emitted=as_tensor([r.prev_num_emitted for r in rows]),
+        num_reqs=num_reqs,
+        num_reqs_padded=num_reqs_padded,
+        q_len=q,
+        max_seq_len=max(seq_lens),
+    )
+    return as_tensor([x for r in rows for x in r.token_ids]), as_tensor(positions), meta

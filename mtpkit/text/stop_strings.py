@@ -1,0 +1,83 @@
+"""Stop strings: a request ends when its generated text contains one of them.
+
+The text is the decoded output, so a stop string matches across token boundaries. The output
+text ends where the earliest occurrence of any stop string begins (the stop string is not
+part of it); the tokens end with the one that completed it. Streaming never shows text a
+later match would take back: besides the cut, it holds back the longest tail of the text that
+is the start of a stop string, until the next token shows whether it becomes one.
+"""
+
+from collections.abc import Sequence
+
+from mtpkit.text.detokenize import REPLACEMENT
+
+
+def first_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
+    """Where the earliest occurrence of any stop string that begins at or after `start`
+    begins, or None."""
+    found = [i for s in stops if (i := text.find(s, start)) >= 0]
+    return min(found) if found else None
+
+
+def partial_stop_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of a stop string (text a
+    later token may complete into a stop)."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> str:
+    """The text before the first stop string (all of it without one)."""
+    i = first_stop(text, stops) if stops else None
+    return text if i is None else text[:i]
+
+
+class StopStringMatcher:
+    """Finds the token that completes a stop string in a request's output, token by token.
+
+    The text is built incrementally, as serving engines detokenize: each token decodes a
+    window from the previous settled boundary (`prefix`) and appends what it adds to the text
+    decoded up to `read`; a window that ends in U+FFFD (a character not yet complete) waits
+    for the next token. So a step costs a few small decodes, whatever the output's length,
+    and for byte-level and SentencePiece-style decoders the text equals decoding the whole
+    output."""
+
+    def __init__(self, tokenizer, stops: Sequence[str]):
+        self.tokenizer, self.stops = tokenizer, list(stops)
+        self.longest = max(len(s) for s in self.stops)
+        self.text = ""          # the output's settled text
+        self.prefix = 0         # token where the decode window starts
+        self.read = 0           # tokens whose text is in self.text
+        self.num_seen = 0       # tokens looked at
+        self.searched = 0       # no stop begins before this index of self.text
+
+    def _advance(self, ids: list[int], n: int) -> None:
+        """Take in token n-1 of ids."""
+        before = self.tokenizer.decode(ids[self.prefix:self.read])
+        window = self.tokenizer.decode(ids[self.prefix:n])
+        if len(window) > len(before) and not window.endswith(REPLACEMENT):
+            self.text += window[len(before):]
+            self.prefix, self.read = self.read, n
+
+    def find(self, output_ids: list[int], num_new: int) -> int | None:
+        """Index, among the last `num_new` of `output_ids` (the earlier ones were given
+        before), of the token whose text completes the first stop string; None if none
+        does."""
+        base = len(output_ids) - num_new
+        if self.num_seen > base:
+            # It saw tokens that were not kept (a step interrupted between matching and
+            # appending): start over from the output as it is.
+            self.__init__(self.tokenizer, self.stops)
+        for n in range(self.num_seen + 1, len(output_ids) + 1):
+            self._advance(output_ids, n)
+            self.num_seen = n
+            if first_stop(self.text, self.stops, self.searched) is not None:
+                return max(n - 1 - base, 0)
+            # a later match can begin only in the last longest-1 characters or after them
+            self.searched = max(self.searched, len(self.text) - self.longest + 1)
+        return None
