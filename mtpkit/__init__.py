@@ -3,6 +3,7 @@
 from mtpkit.engine.request import RequestOutput, SpecStats
 from mtpkit.errors import CheckpointError, ConfigError, InputError, MtpkitError
 from mtpkit.llm import LLM, StreamEvent
+from mtpkit.notebook import html as _html  # noqa: F401 - registers the rich displays
 from mtpkit.shapes import ShapeError, debug, is_debug, set_debug, shape_trace
 from mtpkit.sampling.params import SamplingParams
 

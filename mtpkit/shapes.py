@@ -28,6 +28,8 @@ from beartype import beartype
 from beartype.roar import BeartypeException
 from jaxtyping import AbstractArray, Bool, Float, Int, Shaped, TypeCheckError, jaxtyped
 
+from mtpkit.display import HTMLRepr, render_html
+
 Tensor = torch.Tensor
 
 __all__ = [
@@ -97,7 +99,7 @@ DIMS: dict[str, str] = {
 # debug switch and trace
 
 
-class ShapeError(TypeError):
+class ShapeError(HTMLRepr, TypeError):
     """A tensor at a boundary does not have the shape or dtype its annotation names.
 
     `boundary` is the checked function (or dataclass), `bindings` the dimension values bound
@@ -110,10 +112,7 @@ class ShapeError(TypeError):
         self.boundary, self.bindings, self.argument = boundary, dict(bindings or {}), argument
         self.actual, self.expected = actual, expected
 
-    def _repr_html_(self) -> str:  # Jupyter: the boundary, the bindings, the argument
-        from mtpkit.notebook.html import shape_error_html
-
-        return shape_error_html(self)
+    html_kind = "shape_error"   # Jupyter: the boundary, the bindings, the argument
 
 
 @dataclasses.dataclass
@@ -164,9 +163,7 @@ class ShapeTrace:
     def html(self, last: int | None = None) -> str:
         """An HTML table: function, num_reqs, num_reqs_padded, bundle, every other bound
         dimension, and the arguments' shapes and dtypes (filter first to narrow it)."""
-        from mtpkit.notebook.html import trace_table
-
-        return trace_table(list(self.entries)[-last:] if last else self.entries)
+        return render_html("trace_table", list(self.entries)[-last:] if last else list(self.entries)) or ""
 
     def _repr_html_(self) -> str:  # Jupyter: the last 200 calls (filter() for others)
         n = len(self.entries)

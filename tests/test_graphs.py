@@ -253,7 +253,7 @@ def test_debug_trace_shows_step_shapes(ckdir):
     llm = LLM(_ck(str(ckdir)), num_spec=2, max_num_seqs=4, **F64)
     with mtpkit.debug() as trace:
         llm.generate(oracle.random_prompts(3, 256, seed=4), SamplingParams(max_tokens=4, ignore_eos=True))
-    steps = [e for e in trace if e.function == "attn.metadata.UniformMetadata" and e.dims.get("q_len") == 3]
+    steps = [e for e in trace if e.function == "step.metadata.UniformMetadata" and e.dims.get("q_len") == 3]
     assert steps and all({"num_reqs", "num_reqs_padded", "q_len"} <= set(e.dims) for e in steps)
     assert any(e.dims["num_reqs"] == 3 and e.dims["num_reqs_padded"] == 4 for e in steps)
     assert "num_reqs_padded=4" in trace.table()

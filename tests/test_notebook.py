@@ -207,7 +207,7 @@ def test_shape_error_names_boundary_bindings_and_argument():
         rejection_sample(torch.zeros(2, 4, 16), torch.zeros(2, 2, dtype=torch.long), torch.full((2,), 3), st,
                          [None, None], [5, 5])
     err = info.value
-    assert err.boundary == "speculative.rejection.rejection_sample"
+    assert err.boundary == "sampling.rejection.rejection_sample"
     assert err.argument == "drafts" and err.bindings == {"num_reqs": 2, "bundle": 4, "vocab": 16}
     page = err._repr_html_()
     assert "rejection_sample" in page and "num_reqs=2" in page and "<code>drafts</code>" in page

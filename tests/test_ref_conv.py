@@ -168,7 +168,7 @@ def test_debug_mode_checks_shapes():
     with shapes.debug() as trace:
         causal_conv1d_prefill(*pargs)
         causal_conv1d_verify(*vargs)
-        assert trace.functions() == ["attn.conv.causal_conv1d_prefill", "attn.conv.causal_conv1d_verify"]
+        assert trace.functions() == ["kernels.conv.causal_conv1d_prefill", "kernels.conv.causal_conv1d_verify"]
         assert trace.entries[1].dims["conv_state_len"] == W - 1 + 2
         with pytest.raises(shapes.ShapeError):  # slots must have num_reqs entries
             causal_conv1d_prefill(*pargs[:4], torch.tensor([1]), pargs[5])

@@ -255,8 +255,8 @@ def test_debug_mode_checks_shapes():
         core = core_inputs(5, H=4)
         gdn_recurrent_core(*core)
         gdn_chunked_core(*core, chunk_size=4)
-        assert {"attn.gdn.gated_delta_rule_prefill", "attn.gdn.gated_delta_rule_verify",
-                "attn.gdn.gdn_prepare", "attn.gdn.gdn_chunked_core"} <= set(trace.functions())
+        assert {"kernels.gdn.gated_delta_rule_prefill", "kernels.gdn.gated_delta_rule_verify",
+                "kernels.gdn.gdn_prepare", "kernels.gdn.gdn_chunked_core"} <= set(trace.functions())
         with pytest.raises(shapes.ShapeError):  # query_start_loc must be num_reqs + 1 long
             gated_delta_rule_prefill(*args[:8], torch.tensor([0, 6]), *args[9:])
         with pytest.raises(shapes.ShapeError):  # bundle of state_slots disagrees with q

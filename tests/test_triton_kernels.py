@@ -1,4 +1,4 @@
-"""Every Triton kernel against its torch reference (mtpkit/attn/{gdn,conv,paged}.py).
+"""Every Triton kernel against its torch reference (mtpkit/kernels/{gdn,conv,paged}.py).
 
 On CPU the kernels run under the Triton interpreter. `triton.jit` reads TRITON_INTERPRET
 when a kernel is DECORATED, i.e. when mtpkit.kernels.triton_* is imported (not at launch), so

@@ -3,6 +3,7 @@
 import dataclasses
 import enum
 
+from mtpkit.display import HTMLRepr
 from mtpkit.sampling.params import SamplingParams
 from mtpkit.text.stop_strings import StopStringMatcher
 
@@ -14,7 +15,7 @@ class Status(enum.Enum):
 
 
 @dataclasses.dataclass
-class SpecStats:
+class SpecStats(HTMLRepr):
     """Speculation counters; mean acceptance length = tokens emitted per verify step."""
 
     num_spec: int = 0
@@ -63,10 +64,7 @@ class SpecStats:
     def acceptance_rate(self) -> float:
         return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
 
-    def _repr_html_(self) -> str:  # Jupyter: acceptance per position as a bar chart
-        from mtpkit.notebook.html import acceptance_bars
-
-        return acceptance_bars(self)
+    html_kind = "spec_stats"   # Jupyter: acceptance per position as a bar chart
 
     def __str__(self) -> str:
         rates = ", ".join(f"{r:.2f}" for r in self.acceptance_rate_per_position)
@@ -117,7 +115,7 @@ class Request:
 
 
 @dataclasses.dataclass
-class RequestOutput:
+class RequestOutput(HTMLRepr):
     request_id: int
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -145,7 +143,4 @@ class RequestOutput:
         past a stop token, which are dropped)."""
         return sum(1 for j in self.token_draft_positions if j)
 
-    def _repr_html_(self) -> str:  # Jupyter: the text with every token coloured by origin
-        from mtpkit.notebook.html import request_output_html
-
-        return request_output_html(self)
+    html_kind = "request_output"   # Jupyter: the text with every token coloured by origin

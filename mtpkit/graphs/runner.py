@@ -79,7 +79,7 @@ class StaticBuffers:
         return buf
 
     def make_inert(self, n: int, bundle: int) -> None:
-        """Rows 0..n-1 become inert padded rows (see attn.metadata): whatever runs on them
+        """Rows 0..n-1 become inert padded rows (see mtpkit/step/metadata.py): whatever runs on them
         reads and writes only the null block and the null slot."""
         self.token_ids[:n * bundle].zero_()
         self.positions[:n * bundle].copy_(torch.arange(bundle, device=self.positions.device).repeat(n))

@@ -8,6 +8,7 @@ browser check and the notebook tests read the origins back from them.
 
 import html
 
+from mtpkit.display import register_html
 from mtpkit.text.detokenize import IncrementalDetokenizer
 
 # Background of a token by origin: index 0 is the target's own token, j an accepted draft of
@@ -129,3 +130,14 @@ def shape_error_html(err) -> str:
     return (f'<div class="mtp-shape-error" style="border-left:3px solid #c0392b;padding-left:8px">'
             f'<b>ShapeError</b><table style="font-size:12px">{table}</table>'
             f'<details><summary>full message</summary><pre>{html.escape(str(err))}</pre></details></div>')
+
+
+def register() -> None:
+    """The HTML of the library's rich displays (mtpkit.display), registered when mtpkit is imported."""
+    register_html("request_output", request_output_html)
+    register_html("spec_stats", acceptance_bars)
+    register_html("trace_table", trace_table)
+    register_html("shape_error", shape_error_html)
+
+
+register()
