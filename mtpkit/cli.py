@@ -1,10 +1,13 @@
 """`mtpkit generate "def fibonacci(n):" --num-spec 3`: stream a completion, then print the
-speculation stats. `--debug` checks every boundary and prints the shape trace of the run.
+speculation stats. Several prompts run as one batch (each completion printed under its prompt's
+number); `-` reads a prompt from standard input. `--debug` checks every boundary and prints the
+shape trace of the run.
 Memory: `--gpu-memory-utilization 0.9` (CUDA) or `--memory-budget 64GiB` size the caches from
 what the weights and activations leave (the plan is printed); `--fp8-weights` keeps or
 dequantizes an FP8 checkpoint's weights."""
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -102,7 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a completion with speculative decoding",
                        description="Stream a completion of PROMPT, then print the speculation stats.",
                        formatter_class=_Formatter)
-    g.add_argument("prompt", help="prompt text")
+    g.add_argument("prompts", nargs="+", metavar="PROMPT",
+                   help="prompt text; several run as one batch; - reads a prompt from standard input")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help="checkpoint directory, built-in name (`mtpkit models` lists them) or Hugging Face hub "
                         "repo id (downloaded, or read from the HF cache with HF_HUB_OFFLINE=1)")
@@ -118,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
     g.add_argument("--seed", type=_seed, default=None,
                    help="sampling seed, 0..2**64-1 (None: derived from the engine seed)")
-    g.add_argument("--dtype", default="float32",
+    g.add_argument("--dtype", default="auto",
                    help="float32, bfloat16, float64 (CPU), float16 (CUDA) or auto (float32 on CPU, the "
                         "checkpoint's dtype on CUDA)")
     g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (None: CUDA when a GPU is present, else CPU)")
@@ -126,14 +130,45 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--debug", action="store_true", help="check shapes and print the shape trace")
     g.add_argument("--max-model-len", type=_int_at_least(2), default=None,
                    help="longest sequence, prompt and completion (None: the model's, at most 4096)")
+    g.add_argument("--max-num-seqs", type=_int_at_least(1), default=8,
+                   help="requests decoded together at most (the caches are sized for them)")
     add_memory_options(g)
     sub.add_parser("models", help="list the built-in models", formatter_class=_Formatter)
     return p
 
 
+def _read_prompts(prompts: list[str]) -> list[str]:
+    """The prompts, `-` replaced by standard input's text (read once, whatever the count of `-`)."""
+    stdin = None
+    out = []
+    for p in prompts:
+        if p == "-":
+            if stdin is None:
+                stdin = sys.stdin.read().removesuffix("\n")
+            p = stdin
+        out.append(p)
+    return out
+
+
+def _rates(stats) -> str:
+    """Acceptance per draft position; `-` where no draft was ever tried (a short run)."""
+    tried = stats.drafted_per_position + [0] * (stats.num_spec - len(stats.drafted_per_position))
+    return ", ".join(f"{r:.2f}" if d else "-" for r, d in zip(stats.acceptance_rate_per_position, tried))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    out = None
+    try:
+        return _main(args)
+    except BrokenPipeError:
+        # The reader went away (`mtpkit generate ... | head`): nothing more to print, no traceback,
+        # and none at interpreter exit either (stdout's buffer would be flushed into the closed pipe).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def _main(args) -> int:
     import mtpkit
     from mtpkit.checkpoint.hub import builtin_models
     from mtpkit.models.registry import describe_builtin
@@ -141,16 +176,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "models":
         print("\n".join(describe_builtin(m) for m in builtin_models()) or "(none)")
         return 0
+    prompts = _read_prompts(args.prompts)
+    single = len(prompts) == 1
+    outs: dict[int, object] = {}
     try:
         llm = mtpkit.LLM(args.model, num_spec=args.num_spec, draft_model=args.draft_model, dtype=args.dtype,
-                         device=args.device, max_model_len=args.max_model_len, **memory_kwargs(args))
+                         device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                         **memory_kwargs(args))
         params = mtpkit.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
         trace = mtpkit.set_debug(True) if args.debug else None
-        t0, out = time.perf_counter(), None
-        for ev in llm.stream(args.prompt, params):
-            out = ev.output
-            if not args.no_stream and ev.delta:  # final text only: never half a character
+        t0 = time.perf_counter()
+        for ev in llm.stream(prompts[0] if single else prompts, params):
+            outs[ev.index] = ev.output
+            if single and not args.no_stream and ev.delta:  # final text only: never half a character
                 sys.stdout.write(ev.delta)
                 sys.stdout.flush()
         elapsed = time.perf_counter() - t0
@@ -158,23 +197,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: what was generated, one line saying so, no traceback
-        n = len(out.token_ids) if out is not None else 0
-        if args.no_stream and out is not None:
+        out = outs.get(0)
+        n = sum(len(o.token_ids) for o in outs.values())
+        if single and args.no_stream and out is not None:
             sys.stdout.write(out.text or " ".join(map(str, out.token_ids)))
         sys.stdout.write("\n")
         sys.stdout.flush()
         print(f"--- interrupted (Ctrl-C) after {n} tokens", file=sys.stderr)
         return 130
-    if args.no_stream:
-        sys.stdout.write(out.text or " ".join(map(str, out.token_ids)))
-    s = out.spec_stats
-    print(f"\n\n--- {len(out.token_ids)} tokens in {elapsed:.2f} s ({len(out.token_ids) / elapsed:.1f} tok/s), "
-          f"finish_reason={out.finish_reason}")
+    for i in sorted(outs):
+        out = outs[i]
+        if not single:
+            sys.stdout.write(f"{'' if i == 0 else chr(10) * 2}=== [{i}] {prompts[i][:60]!r}\n")
+        if not single or args.no_stream:
+            sys.stdout.write(out.text or " ".join(map(str, out.token_ids)))
+    n = sum(len(o.token_ids) for o in outs.values())
+    reasons = sorted({o.finish_reason for o in outs.values()})
+    print(f"\n\n--- {n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tok/s), finish_reason="
+          f"{','.join(reasons) if len(reasons) > 1 else reasons[0]}")
     if args.num_spec:
-        rates = ", ".join(f"{r:.2f}" for r in s.acceptance_rate_per_position)
+        s = llm.stats if not single else outs[0].spec_stats
         print(f"--- num_spec={args.num_spec}: mean acceptance length {s.mean_acceptance_length:.2f} "
               f"over {s.verify_steps} verify steps; accepted {s.num_accepted}/{s.num_drafted} drafts; "
-              f"acceptance per position [{rates}]")
+              f"acceptance per position [{_rates(s)}]")
     if trace is not None:
         print(f"\n--- shape trace ({len(trace)} checked calls; the last 40):")
         print(trace.table(last=40, args=False))

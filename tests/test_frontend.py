@@ -189,7 +189,7 @@ def test_python_dash_m_mtpkit_and_generate_help():
     out = " ".join(r.stdout.split())  # argparse wraps lines
     for opt, default in [("--model", "tiny-qwen3-next"), ("--num-spec", "3"), ("--max-tokens", "128"),
                          ("--temperature", "0.0"), ("--top-k", "0"), ("--top-p", "1.0"),
-                         ("--seed", "None"), ("--dtype", "float32")]:
+                         ("--seed", "None"), ("--dtype", "auto"), ("--max-num-seqs", "8")]:
         assert opt in out and f"(default: {default})" in out, (opt, default, r.stdout)
     # every option has a help text: no option line stands alone
     lines = r.stdout.splitlines()

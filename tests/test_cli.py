@@ -1,0 +1,83 @@
+"""The command line as a user runs it (issue 31, item 5): the dtype default its help states,
+--max-num-seqs, several prompts and `-` for standard input, a closed pipe, and draft positions
+never tried."""
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mtpkit
+from mtpkit import LLM, SamplingParams, cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Captured(Exception):
+    pass
+
+
+@pytest.fixture
+def llm_kwargs(monkeypatch):
+    """What the CLI passes to LLM (the call stops there: no weights are read)."""
+    seen = {}
+
+    def fake(model, **kw):
+        seen.update(kw, model=model)
+        raise _Captured
+    monkeypatch.setattr(mtpkit, "LLM", fake)
+    return seen
+
+
+def test_dtype_default_is_auto_as_its_help_says(llm_kwargs):
+    with pytest.raises(_Captured):
+        cli.main(["generate", "x"])
+    assert llm_kwargs["dtype"] == "auto"   # float32 on CPU, the checkpoint's dtype on CUDA
+    assert "auto" in cli._parser()._subparsers._group_actions[0].choices["generate"].format_help()
+
+
+def test_max_num_seqs_reaches_the_engine(llm_kwargs):
+    with pytest.raises(_Captured):
+        cli.main(["generate", "x", "--max-num-seqs", "3"])
+    assert llm_kwargs["max_num_seqs"] == 3
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "x", "--max-num-seqs", "0"])
+
+
+def test_several_prompts_run_as_one_batch_each_printed_under_its_number(capsys):
+    prompts = ["def fibonacci(n):", "import os\n"]
+    assert cli.main(["generate", *prompts, "--max-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    expected = LLM("tiny-qwen3-next", num_spec=3).generate(prompts, SamplingParams(max_tokens=12))
+    first, second = out.split("=== [1]")
+    assert first.startswith("=== [0] 'def fibonacci(n):'\n") and expected[0].text in first
+    assert expected[1].text in second and "--- 24 tokens in" in second
+
+
+def test_dash_reads_the_prompt_from_stdin(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def fibonacci(n):\n"))
+    assert cli.main(["generate", "-", "--max-tokens", "8", "--num-spec", "0"]) == 0
+    text = LLM("tiny-qwen3-next").generate("def fibonacci(n):", SamplingParams(max_tokens=8))[0].text
+    assert capsys.readouterr().out.startswith(text)
+
+
+def test_draft_positions_never_tried_print_as_a_dash(capsys):
+    # 2 tokens: the prefill's token and one verify step that drafts only what fits (1 draft)
+    assert cli.main(["generate", "def f(", "--max-tokens", "3", "--num-spec", "4"]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if "acceptance per position" in ln][0]
+    rates = line.split("[")[1].rstrip("]").split(", ")
+    assert len(rates) == 4 and rates[-1] == "-" and rates[0] != "-", line
+
+
+def test_a_closed_pipe_ends_quietly():
+    """`mtpkit generate ... | head -c 10`: the reader leaves early; no BrokenPipeError traceback."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.Popen([sys.executable, "-m", "mtpkit", "generate", "x", "--max-tokens", "1500"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env)
+    p.stdout.read(10)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
