@@ -18,8 +18,10 @@ replicas of T consecutive ranks each (a TP group per replica). The prompts are d
 replicas by length (prompt tokens + max_tokens, longest first to the least loaded); a replica
 that finishes early takes no work from the others. The first rank of each replica appends each
 finished request to its part file (OUTPUT.part-R-of-K, flushed per request, with the input's
-line number), so a killed job loses only the requests in flight; --resume skips the lines found
-in the output and the part files. Rank 0 prints the whole job's progress, gathers every
+line number and a fingerprint of the line and the settings that decide its output), so a killed
+job loses only the requests in flight; --resume skips the lines found in the output and the part
+files whose fingerprint still matches, and generates again (saying which) the lines whose input
+or settings changed since. Rank 0 prints the whole job's progress, gathers every
 replica's records and writes OUTPUT complete and in input order.
 The memory options are `mtpkit generate`'s (--gpu-memory-utilization, --memory-budget,
 --kv-cache-memory, --state-cache-memory, --num-blocks, --num-state-slots, --fp8-weights), for
@@ -28,6 +30,7 @@ each rank's device; a budget's plan is printed to stderr.
 
 import argparse
 import glob
+import hashlib
 import json
 import os
 import sys
@@ -159,12 +162,29 @@ def check_output(path: str) -> None:
 
 
 def error_record(i: int, bad: BadLine) -> dict:
-    return {"index": i, "token_ids": [], "text": None, "finish_reason": "error", "error": bad.error}
+    return {"index": i, "token_ids": [], "text": "", "finish_reason": "error", "error": bad.error}
+
+
+# The settings that decide a line's output (num_spec and the drafter do not: speculation never
+# changes what is generated); with the line's own text they make its fingerprint.
+OUTPUT_SETTINGS = ("model", "max_tokens", "temperature", "seed", "ignore_eos", "dtype", "max_model_len")
+
+
+def fingerprints(path: str | None, lines: list, args) -> dict:
+    """Input line number -> sha256 of (the line's text, the settings that decide its output)."""
+    settings = json.dumps({k: getattr(args, k) for k in OUTPUT_SETTINGS}, sort_keys=True, default=str)
+    texts = Path(path).read_text(encoding="utf-8").splitlines() if path is not None else None
+    out = {}
+    for i, n in enumerate(lines):
+        line = texts[n - 1].strip() if texts is not None else json.dumps(SAMPLES[i] if i < len(SAMPLES) else i)
+        out[n] = hashlib.sha256((line + "\n" + settings).encode()).hexdigest()[:32]
+    return out
 
 
 def result(i: int, out) -> dict:
     s = out.spec_stats
-    return {"index": i, "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
+    return {"index": i, "token_ids": out.token_ids, "text": out.text if out.text is not None else "",
+            "finish_reason": out.finish_reason,
             "num_drafted": s.num_drafted, "num_accepted": s.num_accepted, "verify_steps": s.verify_steps,
             "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
             **({"error": out.error} if out.error else {})}
@@ -318,12 +338,20 @@ def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
     replica, lead = rank // size, rank % size == 0
     # Object exchange and progress go over gloo, which carries CPU tensors under NCCL too.
     group = dist.new_group(backend="gloo") if world > 1 else None
+    prints = fingerprints(args.prompts, lines, args)
     if args.resume:
         found = written(args.output, lines)
         if world > 1:  # a machine sees only its own part files: the union of every rank's
             everyone = [None] * world
             dist.all_gather_object(everyone, found, group=group)
             found = {k: v for d in everyone for k, v in d.items()}
+        changed = sorted(n for n, rec in found.items() if rec.get("input_sha") != prints[n])
+        for n in changed:     # edited since it was written (or written by a version without fingerprints)
+            del found[n]
+        if changed and rank == 0:
+            print(f"resume: input line(s) {changed[:20]}{' ...' if len(changed) > 20 else ''} changed since they "
+                  f"were written (their text or the settings {', '.join(OUTPUT_SETTINGS)}): generating them again",
+                  file=sys.stderr)
     else:
         found = {}
         if state.is_local_main_process:
@@ -369,7 +397,7 @@ def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
     records, counts = [], [0, 0, 0, 0]
 
     def write(i: int, rec: dict):
-        rec["line"] = lines[i]
+        rec["line"], rec["input_sha"] = lines[i], prints[lines[i]]
         records.append(rec)
         if part is not None:  # flushed per request: a killed job loses only those in flight
             part.write(json.dumps(rec) + "\n")
