@@ -83,8 +83,8 @@ def bad_citations(root: Path) -> list[str]:
 
 
 def github_anchor(heading: str) -> str:
-    """The anchor GitHub gives a Markdown heading."""
-    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    """The anchor GitHub gives a Markdown heading (of rendered text: no backticks or stars)."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
