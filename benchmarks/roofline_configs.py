@@ -2,7 +2,7 @@
 80B-A3B and Gemma 4 31B / 26B-A4B at their real layer shapes with fewer layers, and the Gemma 4
 assistant that drafts for them.
 
-Gemma 4's widths are tests/gemma4_shapes.py's (shared/reference/gemma4.md; the sizes that file
+Gemma 4's widths are tests/gemma4_shapes.py's (the sizes that file
 marks ASSUMED are assumptions). The reference gives no shapes for the real assistants: the ones
 below (ASSISTANT) are assumptions too, except what the assistant must share with its target
 (head_dim and KV heads per layer type, window, RoPE, vocabulary, backbone_hidden_size = the

@@ -1,7 +1,8 @@
 """Gemma 4 text-decoder shapes at real size, for dummy-weight and meta-device checks.
 
-From shared/reference/gemma4.md: 26B-A4B hidden 2816, 16 heads, kv 8, head_dim 256, global
-head_dim 512, global kv 2, 128 experts top-8; 31B 60 layers, hidden 5376, 32 heads, kv 16,
+From the Gemma 4 reference notes this project was written against (not in the repository):
+26B-A4B hidden 2816, 16 heads, kv 8, head_dim 256, global head_dim 512, global kv 2, 128
+experts top-8; 31B 60 layers, hidden 5376, 32 heads, kv 16,
 global kv 4, window 1024. The reference does not give the other fields (intermediate sizes,
 26B-A4B's layer count and window, any E2B / E4B size): those below are ASSUMED (the published
 model cards' values as far as known here) and marked so; they set the tensor sizes only.

@@ -77,7 +77,7 @@ transformers 5.24 Qwen3-Next, model converted to torch.float64, CPU, pure-torch 
 - Attention: sdpa (the default) in float64. (The eager path would softmax in float32.)
 - MoE router: softmax in float32, top-k on the float32 probabilities, renormalisation in float32,
   weights cast to float64. Experts, shared expert, its sigmoid gate, lm_head: float64.
-- generate(): each step's logits are cast to float32 (generation/utils.py) before the argmax, and
+- generate(): each step's logits are cast to float32 (`transformers.generation.utils`) before the argmax, and
   output_logits returns those float32 logits.
 - Measured on TINY_CONFIGS (std 0.05): stock-HF float64 vs exact_fp64 logits differ by 4e-7..3e-6;
   HF float32 vs HF float64 by 4e-7..8e-6; HF cached vs uncached (float64) by 1e-7..8e-7; under
@@ -697,7 +697,7 @@ def hf_greedy_with_logits(
     - method="generate" (default): ``model.generate`` with a fresh greedy GenerationConfig, eos
       disabled on the call and on ``model.generation_config`` (not min_new_tokens, which would
       force eos to -inf). NOTE: generate casts each step's logits to float32 before the argmax
-      (transformers/generation/utils.py), so these step logits are float32 even for a float64 model.
+      (``transformers.generation.utils``), so these step logits are float32 even for a float64 model.
     - method="loop": the same cached decode written out (prefill, then one token per forward with
       ``cache=``), argmax on and returning the model-dtype (e.g. float64) logits.
     """

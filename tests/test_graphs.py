@@ -1,5 +1,5 @@
 """The graph path (static buffers keyed by num_reqs_padded; CPU replay) and the regression
-cases other engines hit (shared/reference/spec_decode.md, items 1-8).
+cases other engines hit (docs/design.md, "Regression cases", items 1-8).
 
 On CPU a replay is a TorchScript trace of the captured bodies once a shape has been called
 `trace_after` times; these tests trace from the first replay (trace_after=0) unless they say
@@ -155,7 +155,7 @@ def test_padded_rows_are_inert(ckdir, k, sentinel):
     torch.testing.assert_close(null, torch.full_like(null, sentinel), rtol=0, atol=0, equal_nan=True)
 
 
-# ---- regression cases (spec_decode.md) ------------------------------------------------------
+# ---- regression cases (docs/design.md) ------------------------------------------------------
 
 def test_regression_1_ragged_capture_sizes_fail_fast_with_corrected_list(ckdir, monkeypatch):
     """The seed failure: num_spec=2 (bundle 3) with capture sizes [1, 2, 4, 8, 16, 32] in

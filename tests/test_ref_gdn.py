@@ -61,7 +61,7 @@ def test_chunked_extreme_decay(decay):
 
 
 def test_recurrent_matches_definition():
-    # One token by hand, straight from the formula in qwen3_next.md.
+    # One token by hand, straight from the formula in kernels/gdn.py's docstring.
     q, k, v, g, beta, s0 = core_inputs(1, H=1, dtype=torch.float64)
     S = torch.exp(g[0, 0]) * s0[0]
     S = S + torch.outer(k[0, 0], beta[0, 0] * (v[0, 0] - k[0, 0] @ S))

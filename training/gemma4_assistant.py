@@ -1,7 +1,7 @@
 """tiny-gemma4-assistant: the Gemma 4 MTP "assistant" drafter (model_type `gemma4_assistant`)
 as a training model, computing exactly what the drafter computes at inference (transformers
-5.24 `Gemma4AssistantForCausalLM` driven by `SinglePositionMultiTokenCandidateGenerator`;
-shared/reference/gemma4.md, "Assistant"), batched over every round position of a window.
+5.24 `Gemma4AssistantForCausalLM` driven by `SinglePositionMultiTokenCandidateGenerator`),
+batched over every round position of a window.
 
 One round drafts from position p, where t (the newest committed token) sits and whose KV is
 not written yet. h starts as the target's final normed hidden state at p - 1. Each draft step:

@@ -1,7 +1,7 @@
 """Chat templates: the checkpoint's Jinja template rendered the way transformers renders it.
 
 A template is untrusted code from a hub repo, so it runs in jinja2's immutable sandbox. The
-environment matches transformers' `apply_chat_template` (utils/chat_template_utils.py,
+environment matches transformers' `apply_chat_template` (`transformers.utils.chat_template_utils`,
 5.24): trim_blocks and lstrip_blocks, the loopcontrols extension, a `{% generation %}` block
 (rendered as its body), a `tojson` filter that does not escape HTML, the `raise_exception`
 and `strftime_now` functions, and `dict` / `namespace` that cannot reach Python internals.
