@@ -12,7 +12,16 @@ embeddings, 2048 centroids, top 32 of them. Facts: shared/reference/gemma4.md, "
 import dataclasses
 
 from mtpkit.errors import ConfigError
+from mtpkit.models.config_fields import FLAG, OBJECT, TEXT, Field, count, field_problems, raise_problems
 from mtpkit.models.gemma4.config import SLIDING, Gemma4Config
+
+
+# The assistant's own config.json fields (its text_config is a Gemma 4 decoder's: FIELDS there).
+FIELDS: dict[str, Field] = {
+    "model_type": TEXT, "text_config": OBJECT, "tie_word_embeddings": FLAG, "backbone_hidden_size": count(),
+    "use_ordered_embeddings": FLAG, "num_centroids": count(), "centroid_intermediate_top_k": count(),
+    "torch_dtype": TEXT, "dtype": TEXT,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +50,7 @@ class Gemma4AssistantConfig:
         text = raw.get("text_config")
         if not isinstance(text, dict):
             raise ConfigError(f"{where}: a Gemma 4 assistant needs a text_config object (its decoder)")
-        problems = []
+        problems = field_problems(raw, FIELDS)
         n = text.get("num_hidden_layers")
         shared = text.get("num_kv_shared_layers")
         if shared not in (None, 0, n):
@@ -61,8 +70,6 @@ class Gemma4AssistantConfig:
             problems.append("tie_word_embeddings=false is not supported (the assistant's logits come from its "
                             "tied embedding table)")
         hb = raw.get("backbone_hidden_size", 1536)
-        if not isinstance(hb, int) or hb < 1:
-            problems.append(f"backbone_hidden_size={hb!r} must be a positive int")
         ordered = bool(raw.get("use_ordered_embeddings", False))
         centroids, top_k = raw.get("num_centroids", 2048), raw.get("centroid_intermediate_top_k", 32)
         if ordered:
@@ -72,8 +79,7 @@ class Gemma4AssistantConfig:
                                 "splits the vocabulary into equal clusters)")
             elif not (isinstance(top_k, int) and 0 < top_k <= centroids):
                 problems.append(f"centroid_intermediate_top_k={top_k!r} must be in 1..num_centroids={centroids}")
-        if problems:
-            raise ConfigError(f"{where}: " + "; ".join(problems))
+        raise_problems(where, problems)
         decoder = Gemma4Config.from_dict({**text, "model_type": text.get("model_type", "gemma4_text"),
                                           "num_kv_shared_layers": 0}, where=f"{where} text_config")
         return cls(text=dataclasses.replace(decoder, num_kv_shared_layers=decoder.num_hidden_layers),

@@ -13,6 +13,8 @@ mtpkit does not implement is a ConfigError naming it, before any weight is read.
 import dataclasses
 
 from mtpkit.errors import ConfigError
+from mtpkit.models.config_fields import (FLAG, OBJECT, POSITIVE, TEXT, TOKEN_IDS, Field, check_fields, count,
+                                         raise_problems)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
@@ -23,6 +25,23 @@ class RopeType:
     theta: float
     partial_rotary_factor: float = 1.0     # "proportional": the rotated fraction of head_dim
     proportional: bool = False
+
+
+# Every config.json field from_dict reads, with its type and range (checked before any is used;
+# per_layer_config's and rope_parameters' entries are checked where they are read).
+FIELDS: dict[str, Field] = {
+    "model_type": TEXT, "text_config": OBJECT, "vocab_size": count(), "hidden_size": count(),
+    "intermediate_size": count(), "num_hidden_layers": count(), "num_attention_heads": count(),
+    "num_key_value_heads": count(), "head_dim": count(2), "hidden_activation": TEXT, "attention_bias": FLAG,
+    "use_bidirectional_attention": FLAG, "layer_types": Field("strs"), "attention_k_eq_v": FLAG,
+    "rope_parameters": OBJECT, "num_kv_shared_layers": count(0), "enable_moe_block": FLAG,
+    "num_experts": count(0), "top_k_experts": count(0), "moe_intermediate_size": count(0),
+    "sliding_window": count(), "final_logit_softcapping": POSITIVE, "eos_token_id": TOKEN_IDS,
+    "hidden_size_per_layer_input": count(0), "rms_norm_eps": POSITIVE, "vocab_size_per_layer_input": count(0),
+    "use_double_wide_mlp": FLAG, "tie_word_embeddings": FLAG, "max_position_embeddings": count(2),
+    "torch_dtype": TEXT, "dtype": TEXT, "per_layer_config": OBJECT, "global_head_dim": count(2),
+    "num_global_key_value_heads": count(),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +114,7 @@ class Gemma4Config:
         missing = [k for k in need if k not in raw]
         if missing:
             raise ConfigError(f"{where}: missing required fields {missing}")
+        check_fields(raw, FIELDS, where)
         problems = []
 
         def unsupported(field, value, supported):
@@ -142,8 +162,7 @@ class Gemma4Config:
         softcap = raw.get("final_logit_softcapping")
         if softcap is not None and not float(softcap) > 0:
             problems.append(f"final_logit_softcapping={softcap!r} must be positive or null")
-        if problems:
-            raise ConfigError(f"{where}: " + "; ".join(problems))
+        raise_problems(where, problems)
         eos = raw.get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
         ple = int(raw.get("hidden_size_per_layer_input", 256) or 0)

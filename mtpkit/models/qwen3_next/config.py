@@ -9,8 +9,29 @@ import json
 from pathlib import Path
 
 from mtpkit.errors import ConfigError
+from mtpkit.models.config_fields import (FLAG, OBJECT, POSITIVE, TEXT, TOKEN_IDS, Field, check_fields, count,
+                                         raise_problems)
 
 LINEAR, FULL = "linear_attention", "full_attention"
+
+# Every config.json field from_dict reads, with its type and range (checked before any is used).
+FIELDS: dict[str, Field] = {
+    "model_type": TEXT, "text_config": OBJECT, "vocab_size": count(), "hidden_size": count(),
+    "num_hidden_layers": count(), "num_attention_heads": count(), "num_key_value_heads": count(),
+    "head_dim": count(), "intermediate_size": count(0), "layer_types": Field("strs"),
+    "full_attention_interval": count(), "linear_num_key_heads": count(), "linear_num_value_heads": count(),
+    "linear_key_head_dim": count(), "linear_value_head_dim": count(), "linear_conv_kernel_dim": count(2),
+    "num_experts": count(0), "num_experts_per_tok": count(0), "moe_intermediate_size": count(0),
+    "shared_expert_intermediate_size": count(0), "norm_topk_prob": FLAG, "decoder_sparse_step": count(),
+    "mlp_only_layers": Field("ints", lo=0), "rms_norm_eps": POSITIVE, "rope_theta": POSITIVE,
+    "partial_rotary_factor": Field("float", positive=True, hi=1), "rope_parameters": OBJECT,
+    "rope_scaling": OBJECT, "max_position_embeddings": count(2), "tie_word_embeddings": FLAG,
+    "eos_token_id": TOKEN_IDS, "bos_token_id": TOKEN_IDS, "pad_token_id": TOKEN_IDS,
+    "num_nextn_predict_layers": count(0), "hidden_act": TEXT, "attention_bias": FLAG, "dtype": TEXT,
+    "torch_dtype": TEXT,
+}
+ROPE_FIELDS: dict[str, Field] = {"rope_type": TEXT, "type": TEXT, "rope_theta": POSITIVE,
+                                 "partial_rotary_factor": Field("float", positive=True, hi=1)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +127,9 @@ class Qwen3NextConfig:
         missing = [k for k in need if k not in raw]
         if missing:
             raise ConfigError(f"{where}: missing required fields {missing}")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        check_fields({**raw, **{f"rope_parameters.{k}": v for k, v in (rope.items() if isinstance(rope, dict) else ())}},
+                     {**FIELDS, **{f"rope_parameters.{k}": f for k, f in ROPE_FIELDS.items()}}, where)
         n = int(raw["num_hidden_layers"])
         layer_types = raw.get("layer_types")
         if layer_types is None:
@@ -113,7 +137,6 @@ class Qwen3NextConfig:
             if interval < 1:
                 raise ConfigError(f"{where}: full_attention_interval must be >= 1, got {interval}")
             layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)]
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ConfigError(f"{where}: rope_type {rope_type!r} is not supported (only 'default')")
@@ -158,14 +181,12 @@ class Qwen3NextConfig:
         return cfg
 
     def validate(self, where: str = "config") -> None:
+        """Every problem of the values together, in one ConfigError."""
         bad = [t for t in self.layer_types if t not in (LINEAR, FULL)]
-        if bad:
-            raise ConfigError(f"{where}: layer_types has unsupported values {sorted(set(bad))}; "
-                              f"supported: {LINEAR!r}, {FULL!r}")
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(f"{where}: layer_types has {len(self.layer_types)} entries but "
-                              f"num_hidden_layers is {self.num_hidden_layers}")
         checks = [
+            (not bad, f"layer_types has unsupported values {sorted(set(bad))}; supported: {LINEAR!r}, {FULL!r}"),
+            (len(self.layer_types) == self.num_hidden_layers,
+             f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"),
             (self.num_attention_heads % self.num_key_value_heads == 0,
              f"num_attention_heads={self.num_attention_heads} is not a multiple of "
              f"num_key_value_heads={self.num_key_value_heads}"),
@@ -182,9 +203,9 @@ class Qwen3NextConfig:
              f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}"),
             (all(0 <= i < self.num_hidden_layers for i in self.mlp_only_layers),
              f"mlp_only_layers={list(self.mlp_only_layers)} has indices outside 0..{self.num_hidden_layers - 1}"),
+            (all(self.is_moe_layer(i) for i in range(self.num_hidden_layers)) or self.intermediate_size > 0,
+             "dense MLP layers need intermediate_size > 0"),
+            (not any(self.is_moe_layer(i) for i in range(self.num_hidden_layers)) or self.moe_intermediate_size > 0,
+             "MoE layers need moe_intermediate_size > 0"),
         ]
-        for ok, msg in checks:
-            if not ok:
-                raise ConfigError(f"{where}: {msg}")
-        if any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers)) and self.intermediate_size <= 0:
-            raise ConfigError(f"{where}: dense MLP layers need intermediate_size > 0")
+        raise_problems(where, [msg for ok, msg in checks if not ok])
