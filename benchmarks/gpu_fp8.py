@@ -116,7 +116,7 @@ def _rel(a, b) -> float:
 
 def check_model(name: str, raw: dict, args) -> bool:
     from mtpkit import LLM, SamplingParams
-    from mtpkit.layers import fp8_layout
+    from mtpkit.kernels.ops import TORCH
     from mtpkit.layers.fp8_layout import FP8Matrix
 
     num_spec = 2 if raw["model_type"] == "qwen3_next" else 0
@@ -130,12 +130,17 @@ def check_model(name: str, raw: dict, args) -> bool:
     # order differs, so they agree to fp32 rounding unless a near-tie flips a routing choice)
     kept32 = LLM(fp8_dir, keep_fp8=True, enforce_eager=True, **dict(common, dtype="float32"))
     got = kept32.score(prompt)
-    triton = fp8_layout._triton
-    fp8_layout._triton = lambda: None
+    # The same model with its FP8 matrices' kernels (Ops.fp8_linear / fp8_batched) swapped for
+    # the torch backend's references; every other kernel unchanged.
+    mats32 = [m for m in kept32.model.modules() if isinstance(m, FP8Matrix)]
+    kernels = [m.ops for m in mats32]
+    for m in mats32:
+        m.ops = TORCH
     try:
         ref = kept32.score(prompt)
     finally:
-        fp8_layout._triton = triton
+        for m, ops in zip(mats32, kernels):
+            m.ops = ops
     del kept32
     kernel_err = _rel(got, ref)
     ok = kernel_err < 1e-3

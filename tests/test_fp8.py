@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 
 from mtpkit import LLM, SamplingParams
 from mtpkit.kernels import fp8_matmul
-from mtpkit.kernels.fp8_matmul import dequantize, fp8_linear_reference, quantize
+from mtpkit.kernels.fp8_matmul import dequantize, fp8_linear, quantize
 from mtpkit.errors import CheckpointError, ConfigError
 from mtpkit.layers.fp8_layout import FP8Matrix, PlainRows, row_layout, row_sources
 from mtpkit.layers.linear import ColumnParallelLinear, Linear, MergedColumnParallelLinear, RowParallelLinear
@@ -351,6 +351,38 @@ def test_kept_fp8_traced_graphs_equal_eager(fp8_dirs):
     assert [o.token_ids for o in graphs.generate(prompts, params)] == eager
 
 
+def test_fp8_matmuls_are_chosen_by_ops(fp8_dirs, monkeypatch):
+    """The FP8 matmuls come from the model's kernel selector (Ops.fp8_linear / fp8_batched),
+    never from the device: a backend whose FP8 entries count their calls (the torch references
+    behind them) runs every kept FP8 weight of Qwen3-Next (linear layers, FP8 experts) through
+    them, with the torch backend's logits."""
+    import dataclasses
+
+    from mtpkit.kernels import ops as kernels
+
+    fp8_dir, _, _, _ = fp8_dirs("qwen", "block16x32")
+    calls = {"fp8_linear": 0, "fp8_batched": 0}
+
+    def counted(name):
+        fn = getattr(kernels.TORCH, name)
+
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    spy = dataclasses.replace(kernels.TORCH, name="spy", **{n: counted(n) for n in calls})
+    monkeypatch.setitem(kernels._REGISTRY, "spy", lambda: spy)
+    want = _llm(fp8_dir, dtype="float32", keep_fp8=True, attn_backend="torch").score(PROMPT)
+    assert calls == {"fp8_linear": 0, "fp8_batched": 0}
+    llm = _llm(fp8_dir, dtype="float32", keep_fp8=True, attn_backend="spy")
+    mats = [m for m in llm.model.modules() if isinstance(m, FP8Matrix)]
+    assert mats and all(m.ops is spy for m in mats)
+    got = llm.score(PROMPT)
+    assert calls["fp8_linear"] > 0 and calls["fp8_batched"] > 0
+    assert torch.equal(got, want)
+
+
 def test_keep_fp8_is_checked(fp8_pair):
     with pytest.raises(ConfigError, match="keep_fp8='yes' must be True, False or None"):
         _llm(fp8_pair[0], keep_fp8="yes")
@@ -393,7 +425,7 @@ def test_fp8_shards_that_cut_blocks():
     x = torch.randn(3, 96)
     for rows, cols, cut in ((64, 96, False), (48, 96, True)):   # rank 1's 24-row half starts inside a block
         w_part = {"m.weight": q[:rows], "m.weight_scale_inv": s[:-(-rows // 16)]}
-        want = fp8_linear_reference(x, q[:rows], s[:-(-rows // 16)], block)
+        want = fp8_linear(x, q[:rows], s[:-(-rows // 16)], block)
         parts = []
         for rank in (0, 1):
             layer = ColumnParallelLinear(cols, rows, TP(rank=rank, size=2))
@@ -405,7 +437,7 @@ def test_fp8_shards_that_cut_blocks():
         torch.testing.assert_close(torch.cat(parts, dim=-1), want)
     for cols, cut in ((96, True), (64, False)):   # 48-column halves cut a 32-column block; 32 do not
         xs = x[:, :cols]
-        want = fp8_linear_reference(xs, q[:, :cols], s[:, :-(-cols // 32)], block)
+        want = fp8_linear(xs, q[:, :cols], s[:, :-(-cols // 32)], block)
         total = 0
         for rank in (0, 1):
             layer = RowParallelLinear(cols, 64, TP(rank=rank, size=2))
@@ -447,7 +479,7 @@ def test_merged_weight_of_fp8_and_plain_parts():
                   "p.c.weight_scale_inv": sc}, "p.abc")
     assert isinstance(layer.fp8.segments[1], PlainRows) and torch.equal(layer.fp8.segments[1].weight, b)
     x = torch.randn(5, 64)
-    want = torch.cat([fp8_linear_reference(x, qa, sa, block), x @ b.t(), fp8_linear_reference(x, qc, sc, block)], -1)
+    want = torch.cat([fp8_linear(x, qa, sa, block), x @ b.t(), fp8_linear(x, qc, sc, block)], -1)
     torch.testing.assert_close(layer(x), want)
     assert not Linear(64, 8).use_fp8(block, "q", fp8)   # no part of it is FP8: stays plain
 

@@ -141,14 +141,16 @@ def fp8_weights(path: Path) -> tuple[FP8Format, dict[str, str]] | None:
 def keep_fp8_linears(model: nn.Module, fmt: FP8Format, fp8_weights) -> list[str]:
     """Switch every module that holds a checkpoint FP8 weight (the linear family, merged ones
     included, and the MoE blocks) to FP8 mode: each keeps its FP8 weights with their block
-    scales, whatever its merges and shards (layers/fp8_layout.py). Tensors kept unquantized in
+    scales, whatever its merges and shards (layers/fp8_layout.py), and runs the FP8 matmuls of
+    the model's kernel selector (`model.ops`, kernels/ops.py). Tensors kept unquantized in
     the file (modules_to_not_convert) stay in the model dtype. Checkpoints with one scale per
     tensor (weight_block_size null) are dequantized. Returns the modules switched."""
     kept = []
     if fmt.block is None:
         return kept
     for mname, m in list(model.named_modules()):
-        if mname and hasattr(m, "use_fp8") and m.use_fp8(fmt.block, model.checkpoint_name(mname), fp8_weights):
+        if mname and hasattr(m, "use_fp8") and m.use_fp8(fmt.block, model.checkpoint_name(mname), fp8_weights,
+                                                         model.ops):
             kept.append(mname)
     return kept
 

@@ -1,5 +1,6 @@
 """Pure-torch reference of the GDN depthwise causal conv1d + SiLU with a speculative conv
-state, the oracle for the Triton kernels.
+state: the "torch" backend's Ops.causal_conv1d_prefill / causal_conv1d_verify, and the oracle
+for the Triton kernels in triton_conv.py (same names and signatures).
 
 A slot of the pool holds conv_state_len = W - 1 + num_spec input columns. The W-1 inputs
 that precede the next token (the "window") start at column offset prev_num_emitted - 1:

@@ -1,7 +1,7 @@
 """The elementwise glue of a decoder layer around its matmuls: RMSNorms fused with the residual
-add, the GDN output's gated norm, and gated activations. Torch references (and the CPU path)
-of triton_elementwise.py's fused kernels, chosen with the attention backend
-(Ops.rms_norm ... act_mul); same signatures and semantics.
+add, the GDN output's gated norm, and gated activations. Torch references (the "torch"
+backend's Ops.rms_norm ... act_mul, and the CPU path) of triton_elementwise.py's fused kernels;
+same names, signatures and semantics.
 
 Each function is the exact sequence of torch ops the layers ran before the kernels existed,
 so its roundings are the model's: arithmetic in fp32 (fp64 stays fp64), every intermediate

@@ -1,4 +1,6 @@
-"""Block-scaled FP8 matmul, the torch reference (the Triton kernel is triton_fp8_matmul.py).
+"""Block-scaled FP8 matmul: the torch reference (the "torch" backend's Ops.fp8_linear /
+fp8_batched, and the CPU path) of the Triton kernel in triton_fp8_matmul.py, same names,
+signatures and semantics.
 
 The fine-grained FP8 format of DeepSeek-V3 / Qwen3-Next-FP8 checkpoints: a weight W [N, K] is
 stored as float8_e4m3fn with one float32 `scale_inv` per [block_n, block_k] block (the last
@@ -13,11 +15,12 @@ checkpoint tensors whose parts are not whole blocks (layers/fp8_layout.py) inste
 row's scale row: `scale_rows` [N], an index into its scale table (each row keeps the scale of
 the block it was stored in).
 
-Typing: `fp8_block_matmul` (2-D) and `fp8_batched_matmul` (a batch of products, each with its
-own weight of a stack: experts) are the typed boundaries, as the kernel takes them; the helpers
-around them (quantize / dequantize / row_scales, fp8_linear_reference) take any leading dims
-(expert stacks, tokens x heads), like the linear family in layers/linear.py, so their tensors
-are plain Tensor.
+Entry points (the Ops fields): `fp8_linear` (x @ W^T, any leading dims of x) and
+`fp8_batched` (a batch of products over a weight stack: the MoE's experts) quantize the
+activation, then run `fp8_block_matmul` (2-D) or `fp8_batched_matmul`, the typed
+boundaries as the kernel takes them. The helpers around them (quantize / dequantize /
+row_scales) and the entry points take any leading dims (expert stacks, tokens x heads), like
+the linear family in layers/linear.py, so their tensors are plain Tensor.
 """
 
 import torch
@@ -114,11 +117,30 @@ def fp8_batched_matmul(xq: Shaped[Tensor, "matmuls num_rows in_features"],
     return torch.matmul(_activation(xq, x_scale, block[1]), w.transpose(-1, -2)).to(out_dtype)
 
 
-def fp8_linear_reference(x: Tensor, wq: Tensor, w_scale: Tensor, block: tuple[int, int],
-                         scale_rows: Tensor | None = None) -> Tensor:
+def quantize_batch(x: Tensor, products: int, group: int) -> tuple[Tensor, Tensor]:
+    """x [B, M, K] quantized per token and group of `group` as (xq [B, M, K], scale [B, M, G]);
+    x [1, M, K] (the same rows for every product) is quantized once and expanded to
+    `products`."""
+    M, K = x.shape[1], x.shape[2]
+    xq, xs = quantize_activation(x.reshape(-1, K), group)
+    return xq.view(-1, M, K).expand(products, M, K), xs.view(-1, M, xs.shape[-1]).expand(products, M, xs.shape[-1])
+
+
+def fp8_linear(x: Tensor, wq: Tensor, w_scale: Tensor, block: tuple[int, int],
+               scale_rows: Tensor | None = None) -> Tensor:
     """x @ W^T for an FP8 block-scaled W, any leading dims of x: the activation quantized
     per token and group, then `fp8_block_matmul`. Output in x's dtype."""
     lead = x.shape[:-1]
     xq, xs = quantize_activation(x.reshape(-1, x.shape[-1]), block[1])
     return fp8_block_matmul(xq, xs, wq, w_scale, block, x.dtype, scale_rows).view(*lead, wq.shape[0])
 
+
+def fp8_batched(x: Tensor, wq: Tensor, w_scale: Tensor, block: tuple[int, int],
+                experts: Tensor | None = None, scale_rows: Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> Tensor:
+    """x [B, M, K] @ W[experts[b]]^T per b over a stack of FP8 weights (W[b] without experts;
+    x [1, M, K]: the same rows for every weight, quantized once), then `fp8_batched_matmul`.
+    Output in out_dtype (default x's)."""
+    B = wq.shape[0] if experts is None else experts.shape[0]
+    xq, xs = quantize_batch(x, B, block[1])
+    return fp8_batched_matmul(xq, xs, wq, w_scale, block, out_dtype or x.dtype, experts, scale_rows)

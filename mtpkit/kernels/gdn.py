@@ -1,5 +1,7 @@
-"""Pure-torch reference of the gated delta rule (Gated DeltaNet), the oracle that the Triton
-kernels are tested against. Clarity and exactness come before speed.
+"""Pure-torch reference of the gated delta rule (Gated DeltaNet): the "torch" backend's
+Ops.gated_delta_rule_prefill / gated_delta_rule_verify, and the oracle that the Triton kernels
+in triton_gdn.py (same names and signatures) are tested against. Clarity and exactness come
+before speed.
 
 Per value head the state S is [k_dim, v_dim]; per token t (g_t <= 0 is a log-decay):
     S = exp(g_t) * S;   S = S + k_t (beta_t * (v_t - k_t^T S))^T;   o_t = q_t^T S.

@@ -1,5 +1,5 @@
-"""The routed experts of a decode / verify step: the torch reference of the fused Triton MoE
-(mtpkit/kernels/triton_moe.py), same signature and semantics.
+"""The routed experts of a decode / verify step: the torch reference (the "torch" backend's
+Ops.moe_experts) of the fused Triton MoE in triton_moe.py, same name, signature and semantics.
 
 out[t] = sum_j weights[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t])), e = experts[t, j],
 with w13[e] = [gate rows; up rows] ([2I, H]) and w_down[e] = the expert's down projection as

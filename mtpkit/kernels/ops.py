@@ -1,8 +1,41 @@
-"""Which implementation of each attention-side op a model uses.
+"""`Ops`: the one selector of every kernel a model runs, and the torch backend `TORCH`.
 
-The torch functions in gdn.py / conv.py / paged.py are the references (and the CPU path).
-GPU kernels register themselves here under another name; `select_ops` picks by device
-unless overridden (`LLM(..., attn_backend="torch")`, or MTPKIT_ATTN_BACKEND for debugging).
+A model is built with one `Ops` (called `ops` in every model and layer) and runs every kernel
+through it: attention, GDN, conv, the MoE experts, the elementwise glue and the block-scaled
+FP8 matmuls. Nothing else picks a kernel: no layer looks at the device or imports a Triton
+module. `select_ops` picks the backend by device (CUDA: "triton" when Triton imports, else
+"torch"), unless `LLM(attn_backend="torch" | "triton")` or MTPKIT_ATTN_BACKEND (for debugging)
+says otherwise. The user-facing name `attn_backend` is historical: it selects EVERY kernel
+below, not only attention's. A layer built without `ops` (unit tests) runs the torch
+references.
+
+Each field, its torch reference (the "torch" backend, which is also the CPU path) and its
+Triton kernel (the "triton" backend, `triton_ops.TRITON`), same names, signatures and
+semantics; every Triton module `triton_X.py` sits beside its reference `X.py` and is tested
+against it:
+
+  field                     torch reference (kernels/)          Triton kernel (kernels/)
+  ------------------------  ----------------------------------  -----------------------------------
+  write_kv                  paged.write_kv                      the same (triton_paged.write_kv)
+  paged_attention_prefill   paged.paged_attention_prefill       triton_paged (flash-attn if usable)
+  paged_attention_verify    paged.paged_attention_verify        triton_paged (flash-attn if usable)
+  verify_gather             paged.verify_gather                 None: the kernel walks the table
+  causal_conv1d_prefill     conv.causal_conv1d_prefill          triton_conv
+  causal_conv1d_verify      conv.causal_conv1d_verify           triton_conv
+  gated_delta_rule_prefill  gdn.gated_delta_rule_prefill        triton_gdn (fla-core if importable)
+  gated_delta_rule_verify   gdn.gated_delta_rule_verify         triton_gdn
+  moe_experts               moe_experts.moe_experts             triton_moe.moe_experts (fused)
+  fused_moe                 False                               True
+  rms_norm, add_rms_norm,   elementwise.<same name>             triton_elementwise.<same name>
+  norm_add_rms_norm,
+  norm_add, gated_rms_norm,
+  act_mul
+  fp8_linear                fp8_matmul.fp8_linear               triton_fp8_matmul.fp8_linear
+  fp8_batched               fp8_matmul.fp8_batched              triton_fp8_matmul.fp8_batched
+
+A Triton entry point runs its torch reference only by the one rule of
+`triton_common.use_reference` (fp64 inputs); choosing flash-attn or fla-core inside the Triton
+backend picks among GPU kernels and never reaches the reference.
 """
 
 import dataclasses
@@ -13,39 +46,43 @@ from typing import Callable
 import torch
 
 from mtpkit.errors import ConfigError
-from mtpkit.kernels import elementwise as glue_ref
-from mtpkit.kernels import moe_experts as moe_ref
-from mtpkit.kernels import conv, gdn, paged
+from mtpkit.kernels import conv, elementwise, fp8_matmul, gdn, moe_experts, paged
 
 
 @dataclasses.dataclass(frozen=True)
 class Ops:
+    """One backend's kernels (the table in the module docstring). Every field is given."""
     name: str
     write_kv: Callable
     paged_attention_prefill: Callable
     paged_attention_verify: Callable
+    # The KV slots a uniform step's attention gathers (paged.verify_gather), when the backend's
+    # paged_attention_verify reads them (`kv_slots`, `kv_pos`): the same for every layer of a KV
+    # pool, so a model computes them once per step. None: the kernel walks the block table.
+    verify_gather: Callable | None
     causal_conv1d_prefill: Callable
     causal_conv1d_verify: Callable
     gated_delta_rule_prefill: Callable
     gated_delta_rule_verify: Callable
-    # The routed experts of a fixed-shape MoE step (SparseMoE's sparse path): not attention,
-    # but chosen with the same backend (a fused Triton kernel on GPU).
-    moe_experts: Callable = moe_ref.moe_experts
+    # The routed experts of a fixed-shape MoE step (SparseMoE's sparse path, 16-bit or fp32
+    # weights; FP8 experts run fp8_batched).
+    moe_experts: Callable
     # moe_experts reads each touched expert once per call, however many tokens chose it (a fused
     # kernel): SparseMoE then gathers at every captured step size instead of computing every expert.
-    fused_moe: bool = False
-    # The KV slots a uniform step's attention gathers (paged.verify_gather), when the backend's
-    # paged_attention_verify reads them (`kv_slots`, `kv_pos`): the same for every layer of a KV
-    # pool, so a model computes them once per step. None: the kernel walks the block table.
-    verify_gather: Callable | None = None
+    fused_moe: bool
     # The elementwise glue of the decoder layers (kernels/elementwise.py: norms fused with the
     # residual add, GDN's gated norm, gated activations): one fused kernel each on Triton.
-    rms_norm: Callable = glue_ref.rms_norm
-    add_rms_norm: Callable = glue_ref.add_rms_norm
-    norm_add_rms_norm: Callable = glue_ref.norm_add_rms_norm
-    norm_add: Callable = glue_ref.norm_add
-    gated_rms_norm: Callable = glue_ref.gated_rms_norm
-    act_mul: Callable = glue_ref.act_mul
+    rms_norm: Callable
+    add_rms_norm: Callable
+    norm_add_rms_norm: Callable
+    norm_add: Callable
+    gated_rms_norm: Callable
+    act_mul: Callable
+    # The block-scaled FP8 matmuls of weights kept in FP8 (layers/fp8_layout.FP8Matrix):
+    # x @ W^T with any leading dims of x, and a batch of products over a stack of weights
+    # (the MoE's experts), the activation quantized per token and group inside.
+    fp8_linear: Callable
+    fp8_batched: Callable
 
 
 TORCH = Ops(
@@ -53,21 +90,34 @@ TORCH = Ops(
     write_kv=paged.write_kv,
     paged_attention_prefill=paged.paged_attention_prefill,
     paged_attention_verify=paged.paged_attention_verify,
+    verify_gather=paged.verify_gather,
     causal_conv1d_prefill=conv.causal_conv1d_prefill,
     causal_conv1d_verify=conv.causal_conv1d_verify,
     gated_delta_rule_prefill=gdn.gated_delta_rule_prefill,
     gated_delta_rule_verify=gdn.gated_delta_rule_verify,
-    verify_gather=paged.verify_gather,
+    moe_experts=moe_experts.moe_experts,
+    fused_moe=False,
+    rms_norm=elementwise.rms_norm,
+    add_rms_norm=elementwise.add_rms_norm,
+    norm_add_rms_norm=elementwise.norm_add_rms_norm,
+    norm_add=elementwise.norm_add,
+    gated_rms_norm=elementwise.gated_rms_norm,
+    act_mul=elementwise.act_mul,
+    fp8_linear=fp8_matmul.fp8_linear,
+    fp8_batched=fp8_matmul.fp8_batched,
 )
 
 _REGISTRY: dict[str, Callable[[], Ops]] = {"torch": lambda: TORCH}
 
 
 def register_ops(name: str, factory: Callable[[], Ops]) -> None:
+    """Make a backend selectable by name (triton_ops.py registers "triton" when imported)."""
     _REGISTRY[name] = factory
 
 
 def select_ops(device: torch.device, override: str | None = None) -> Ops:
+    """The backend of every kernel: `override` (LLM's attn_backend), else MTPKIT_ATTN_BACKEND,
+    else "triton" on CUDA when Triton imports (a warning when it does not) and "torch" elsewhere."""
     name = override or os.environ.get("MTPKIT_ATTN_BACKEND") or None
     if "triton" not in _REGISTRY and (name == "triton" or (name is None and device.type == "cuda")):
         try:  # registers itself; imported lazily so that CPU runs never import Triton

@@ -1,5 +1,7 @@
 """Pure-torch reference of paged full attention (causal, GQA, optional sliding window and
-logit softcap), the oracle for the Triton kernels.
+logit softcap): the "torch" backend's Ops.write_kv / paged_attention_prefill /
+paged_attention_verify / verify_gather, and the oracle for the Triton kernels in
+triton_paged.py (same names and signatures).
 
 KV pool per layer: k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]; block 0 is
 the null block. Position p of request i lives in block block_table[i, p // block_size] at

@@ -24,7 +24,8 @@ from its initial window (columns L-(W-1).. of its slot, zeros without initial st
 [window, x_i] (zero-padded on the left). The state launch runs after the output launch
 on the same stream, so every window is read before any slot is rewritten.
 
-Math in fp32; fp64 inputs go to the torch reference. Fixed launch configurations.
+Math in fp32; triton_common.use_reference's rule (fp64) sends a call to the torch reference.
+Fixed launch configurations.
 """
 
 
@@ -38,10 +39,6 @@ from mtpkit.kernels import conv as ref
 from mtpkit.kernels.triton_common import use_reference
 
 __all__ = ["causal_conv1d_prefill", "causal_conv1d_verify"]
-
-
-def _use_reference(*xs: Tensor) -> bool:
-    return use_reference("mtpkit.kernels.triton_conv", *xs)
 
 
 BLOCK_C = 128
@@ -178,7 +175,7 @@ def causal_conv1d_verify(
 ) -> Float[Tensor, "num_reqs_padded bundle conv_dim"]:
     """Triton version of conv.causal_conv1d_verify (see the module docstring); differs
     only in never writing the null slot 0."""
-    if _use_reference(x, conv_state):
+    if use_reference(__name__, x, conv_state):
         return ref.causal_conv1d_verify(x, weight, conv_state, slots, prev_num_emitted)
     R, B, C = x.shape
     W, L = weight.shape[1], conv_state.shape[2]
@@ -208,7 +205,7 @@ def causal_conv1d_prefill(
     has_initial_state: Bool[Tensor, "num_reqs"],
 ) -> Float[Tensor, "num_tokens conv_dim"]:
     """Triton version of conv.causal_conv1d_prefill (see the module docstring)."""
-    if _use_reference(x, conv_state):
+    if use_reference(__name__, x, conv_state):
         return ref.causal_conv1d_prefill(x, weight, conv_state, query_start_loc, slots, has_initial_state)
     T, C = x.shape
     W, L = weight.shape[1], conv_state.shape[2]

@@ -1,4 +1,5 @@
-"""Fused elementwise glue of the decoder layers: one launch where the torch code runs several.
+"""Fused elementwise glue of the decoder layers (the "triton" backend's Ops.rms_norm ... act_mul):
+one launch where the torch code runs several.
 
 The torch references are elementwise.py (same signatures and semantics; tested against them
 under TRITON_INTERPRET=1). At decode sizes every op in a CUDA graph costs a launch of a few
@@ -15,7 +16,8 @@ square, mean, rsqrt, two products, cast back) plus the residual add before it. H
 Arithmetic in fp32 with the references' roundings: every value the torch code rounds to the
 activation dtype (a residual sum, a normed value before its weight in the gated norm, an
 activation before its product) is rounded here too, so 16-bit results differ from the
-reference only where fp32 sums or exp differ in the last bits. fp64 goes to the reference.
+reference only where fp32 sums or exp differ in the last bits.
+triton_common.use_reference's rule (fp64) sends a call to the torch reference.
 """
 
 import torch
@@ -27,9 +29,6 @@ from mtpkit.shapes import Float, Tensor, checked
 from mtpkit.kernels import elementwise as ref
 
 __all__ = ["rms_norm", "add_rms_norm", "norm_add_rms_norm", "norm_add", "gated_rms_norm", "act_mul"]
-
-_MODULE = "mtpkit.kernels.triton_elementwise"
-
 
 @triton.jit
 def _rounded(y, DT: tl.constexpr):
@@ -89,7 +88,7 @@ def _residual_norm(x, res, x_w, w, scalar, eps, zero_centred, store_sum):
 @checked
 def rms_norm(x: Float[Tensor, "num_tokens hidden"], weight: Float[Tensor, "hidden"], eps: float,
              zero_centred: bool) -> Float[Tensor, "num_tokens hidden"]:
-    if use_reference(_MODULE, x, weight):
+    if use_reference(__name__, x, weight):
         return ref.rms_norm(x, weight, eps, zero_centred)
     return _residual_norm(x, None, None, weight, None, eps, zero_centred, False)[0]
 
@@ -98,7 +97,7 @@ def rms_norm(x: Float[Tensor, "num_tokens hidden"], weight: Float[Tensor, "hidde
 def add_rms_norm(x: Float[Tensor, "num_tokens hidden"], residual: Float[Tensor, "num_tokens hidden"],
                  weight: Float[Tensor, "hidden"], eps: float, zero_centred: bool
                  ) -> tuple[Float[Tensor, "num_tokens hidden"], Float[Tensor, "num_tokens hidden"]]:
-    if use_reference(_MODULE, x, residual, weight):
+    if use_reference(__name__, x, residual, weight):
         return ref.add_rms_norm(x, residual, weight, eps, zero_centred)
     return _residual_norm(x, residual, None, weight, None, eps, zero_centred, True)
 
@@ -107,7 +106,7 @@ def add_rms_norm(x: Float[Tensor, "num_tokens hidden"], residual: Float[Tensor, 
 def norm_add_rms_norm(x: Float[Tensor, "num_tokens hidden"], residual: Float[Tensor, "num_tokens hidden"],
                       x_weight: Float[Tensor, "hidden"], weight: Float[Tensor, "hidden"], eps: float
                       ) -> tuple[Float[Tensor, "num_tokens hidden"], Float[Tensor, "num_tokens hidden"]]:
-    if use_reference(_MODULE, x, residual, weight):
+    if use_reference(__name__, x, residual, weight):
         return ref.norm_add_rms_norm(x, residual, x_weight, weight, eps)
     return _residual_norm(x, residual, x_weight, weight, None, eps, False, True)
 
@@ -116,7 +115,7 @@ def norm_add_rms_norm(x: Float[Tensor, "num_tokens hidden"], residual: Float[Ten
 def norm_add(x: Float[Tensor, "num_tokens hidden"], residual: Float[Tensor, "num_tokens hidden"],
              x_weight: Float[Tensor, "hidden"], eps: float, scalar: Float[Tensor, "1"] | None
              ) -> Float[Tensor, "num_tokens hidden"]:
-    if use_reference(_MODULE, x, residual, x_weight):
+    if use_reference(__name__, x, residual, x_weight):
         return ref.norm_add(x, residual, x_weight, eps, scalar)
     return _residual_norm(x, residual, x_weight, None, scalar, eps, False, True)[1]
 
@@ -139,7 +138,7 @@ def _gated_rms_norm_kernel(x, z, w, out, M, D, heads, sxt, sxh, szt, szh, eps, B
 @checked
 def gated_rms_norm(x: Float[Tensor, "num_tokens v_heads v_dim"], z: Float[Tensor, "num_tokens v_heads v_dim"],
                    weight: Float[Tensor, "v_dim"], eps: float) -> Float[Tensor, "num_tokens v_heads v_dim"]:
-    if use_reference(_MODULE, x, z, weight):
+    if use_reference(__name__, x, z, weight):
         return ref.gated_rms_norm(x, z, weight, eps)
     T, HV, D = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -187,7 +186,7 @@ def _act_mul_kernel(g, u, rg, out, N, sg, su, sr, ACT: tl.constexpr, ROW_GATE: t
 @checked
 def act_mul(g: Float[Tensor, "num_tokens gated_dim"], u: Float[Tensor, "num_tokens gated_dim"], act: str,
             row_gate: Float[Tensor, "num_tokens 1"] | None = None) -> Float[Tensor, "num_tokens gated_dim"]:
-    if use_reference(_MODULE, g, u):
+    if use_reference(__name__, g, u):
         return ref.act_mul(g, u, act, row_gate)
     T, N = g.shape
     g = g if g.stride(-1) == 1 else g.contiguous()

@@ -1,6 +1,7 @@
-"""Triton kernel of the block-scaled FP8 matmul, beside its torch reference in fp8_matmul.py
-(same signatures and semantics; tested against it under TRITON_INTERPRET=1 and compiled for
-sm_90 in tests/test_triton_compile.py).
+"""Triton kernel of the block-scaled FP8 matmul (the "triton" backend's Ops.fp8_linear /
+fp8_batched), beside its torch reference in fp8_matmul.py (same names, signatures and
+semantics; tested against it under TRITON_INTERPRET=1 and compiled for sm_90 in
+tests/test_triton_compile.py).
 
 One kernel for a single product (the linear layers) and a batch of them over a weight stack
 (the MoE's experts: every expert for every token, or each token-expert pair's own expert,
@@ -21,7 +22,7 @@ from mtpkit.shapes import Float, Int, Shaped, Tensor, checked
 from mtpkit.kernels import fp8_matmul as ref
 from mtpkit.kernels.triton_common import use_reference
 
-__all__ = ["fp8_block_matmul", "fp8_batched_matmul", "fp8_linear"]
+__all__ = ["fp8_block_matmul", "fp8_batched_matmul", "fp8_linear", "fp8_batched"]
 
 BN = 128  # output columns per program
 
@@ -80,7 +81,7 @@ def fp8_block_matmul(xq: Shaped[Tensor, "num_tokens in_features"], x_scale: Floa
                      wq: Shaped[Tensor, "out_features in_features"], w_scale: Float[Tensor, "out_groups in_groups"],
                      block: tuple[int, int], out_dtype: torch.dtype,
                      scale_rows: Int[Tensor, "out_features"] | None = None) -> Float[Tensor, "num_tokens out_features"]:
-    if use_reference("mtpkit.kernels.triton_fp8_matmul", xq):
+    if use_reference(__name__, xq):
         return ref.fp8_block_matmul(xq, x_scale, wq, w_scale, block, out_dtype, scale_rows)
     out = torch.empty(xq.shape[0], wq.shape[0], dtype=out_dtype, device=xq.device)
     _launch(xq[None], x_scale[None], wq[None], w_scale[None], block, out[None], None, scale_rows)
@@ -95,7 +96,7 @@ def fp8_batched_matmul(xq: Shaped[Tensor, "matmuls num_rows in_features"],
                        out_dtype: torch.dtype, experts: Int[Tensor, "matmuls"] | None = None,
                        scale_rows: Int[Tensor, "out_features"] | None = None
                        ) -> Float[Tensor, "matmuls num_rows out_features"]:
-    if use_reference("mtpkit.kernels.triton_fp8_matmul", xq):
+    if use_reference(__name__, xq):
         return ref.fp8_batched_matmul(xq, x_scale, wq, w_scale, block, out_dtype, experts, scale_rows)
     out = torch.empty(xq.shape[0], xq.shape[1], wq.shape[1], dtype=out_dtype, device=xq.device)
     return _launch(xq, x_scale, wq, w_scale, block, out, experts, scale_rows)
@@ -104,9 +105,23 @@ def fp8_batched_matmul(xq: Shaped[Tensor, "matmuls num_rows in_features"],
 def fp8_linear(x: Tensor, wq: Tensor, w_scale: Tensor, block: tuple[int, int],
                scale_rows: Tensor | None = None) -> Tensor:
     # Any leading dims of x (the linear family's contract): fp8_block_matmul is the typed boundary.
-    """x @ W^T for an FP8 block-scaled W (any leading dims of x), the activation quantized
-    per token and group of block_k (in torch: a handful of elementwise ops)."""
+    """Triton version of fp8_matmul.fp8_linear: x @ W^T for an FP8 block-scaled W (any leading
+    dims of x), the activation quantized per token and group of block_k (in torch: a handful
+    of elementwise ops)."""
+    if use_reference(__name__, x):
+        return ref.fp8_linear(x, wq, w_scale, block, scale_rows)
     lead = x.shape[:-1]
     xq, xs = ref.quantize_activation(x.reshape(-1, x.shape[-1]), block[1])
     return fp8_block_matmul(xq, xs, wq, w_scale, block, x.dtype, scale_rows).view(*lead, wq.shape[0])
 
+
+def fp8_batched(x: Tensor, wq: Tensor, w_scale: Tensor, block: tuple[int, int],
+                experts: Tensor | None = None, scale_rows: Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> Tensor:
+    """Triton version of fp8_matmul.fp8_batched: x [B, M, K] @ W[experts[b]]^T per b over a
+    stack of FP8 weights (x [1, M, K] quantized once for every weight)."""
+    if use_reference(__name__, x):
+        return ref.fp8_batched(x, wq, w_scale, block, experts, scale_rows, out_dtype)
+    B = wq.shape[0] if experts is None else experts.shape[0]
+    xq, xs = ref.quantize_batch(x, B, block[1])
+    return fp8_batched_matmul(xq, xs, wq, w_scale, block, out_dtype or x.dtype, experts, scale_rows)

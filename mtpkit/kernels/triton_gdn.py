@@ -26,8 +26,8 @@ Prefill (`gated_delta_rule_prefill`): on CUDA with fla-core importable, fla's
 Triton kernel: the same recurrence token by token per (request, value head, value block),
 parallel over requests and heads, sequential over tokens (no chunking). Initial states are
 gathered into a scratch buffer first, so a request's read slot may be another request's
-write slot (the reference's "all reads before any write" holds). Inputs in float64 (and an
-fp64 state pool) go to the torch reference: the kernels compute in fp32.
+write slot (the reference's "all reads before any write" holds). The kernels compute in fp32:
+triton_common.use_reference's rule (fp64) sends a call to the torch reference.
 
 All launch configurations are fixed (no autotuning), so nothing is benchmarked inside a
 CUDA graph capture; every shape should still be run once before capture (Triton compiles
@@ -47,10 +47,6 @@ from mtpkit.kernels import gdn as ref
 from mtpkit.kernels.triton_common import use_reference
 
 __all__ = ["gated_delta_rule_prefill", "gated_delta_rule_verify", "fla_available"]
-
-
-def _use_reference(*xs: Tensor) -> bool:
-    return use_reference("mtpkit.kernels.triton_gdn", *xs)
 
 
 _FLA = None
@@ -213,7 +209,7 @@ def gated_delta_rule_verify(
 ) -> Float[Tensor, "num_reqs_padded bundle v_heads v_dim"]:
     """Triton version of gdn.gated_delta_rule_verify (one launch; see the module docstring).
     Differs only in never writing the null slot 0."""
-    if _use_reference(q, k, v, ssm_state):
+    if use_reference(__name__, q, k, v, ssm_state):
         return ref.gated_delta_rule_verify(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots,
                                            prev_num_emitted)
     R, B, HK, DK = q.shape
@@ -255,8 +251,8 @@ def gated_delta_rule_prefill(
 ) -> Float[Tensor, "num_tokens v_heads v_dim"]:
     """gdn.gated_delta_rule_prefill on GPU: fla-core's chunked kernel when importable (CUDA
     only), else this module's recurrent varlen Triton kernel (chunk_size is then unused).
-    fp64 goes to the torch reference."""
-    if _use_reference(q, k, v, ssm_state):
+    fp64 goes to the torch reference (triton_common.use_reference)."""
+    if use_reference(__name__, q, k, v, ssm_state):
         return ref.gated_delta_rule_prefill(q, k, v, a, b, A_log, dt_bias, ssm_state, query_start_loc,
                                             read_slots, write_slots, has_initial_state, chunk_size)
     T, HK, DK = q.shape

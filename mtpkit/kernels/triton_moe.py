@@ -1,7 +1,8 @@
-"""Fused MoE experts for decode and verify steps: two launches, each touched expert read once.
+"""Fused MoE experts for decode and verify steps (the "triton" backend's Ops.moe_experts): two
+launches, each touched expert read once.
 
-The torch reference is moe_experts.py (same signature and semantics; tested against it under
-TRITON_INTERPRET=1). A step's T tokens choose K experts each. The T*K token-expert pairs are
+The torch reference is moe_experts.py (same name, signature and semantics; tested against it
+under TRITON_INTERPRET=1). A step's T tokens choose K experts each. The T*K token-expert pairs are
 sorted by expert on the device (fixed shapes, no host sync, so the call can be captured); the
 pairs of one expert are then contiguous, and the first pair of each run is its leader.
 
@@ -14,7 +15,7 @@ with BH columns of its expert's down block, storing one [H] row per pair; the K 
 are summed afterwards. So the bytes read are the touched experts once, not once per token.
 
 Math in fp32 (tensor-core products for 16-bit weights, IEEE fp32 products for fp32 weights);
-fp64 goes to the reference.
+triton_common.use_reference's rule (fp64) sends a call to the torch reference.
 """
 
 import torch
@@ -108,7 +109,7 @@ def _moe_down_kernel(pair_act, w_down, order, sorted_e, counts, out, H, I,
 def moe_experts(x: Float[Tensor, "num_tokens hidden"], w13: Float[Tensor, "experts _ hidden"],
                 w_down: Float[Tensor, "experts intermediate hidden"], experts: Int[Tensor, "num_tokens topk"],
                 weights: Float[Tensor, "num_tokens topk"], act: str = "silu") -> Float[Tensor, "num_tokens hidden"]:
-    if use_reference("mtpkit.kernels.triton_moe", x, w13, w_down):
+    if use_reference(__name__, x, w13, w_down):
         return ref.moe_experts(x, w13, w_down, experts, weights, act)
     T, K = experts.shape
     E, I, H = w_down.shape

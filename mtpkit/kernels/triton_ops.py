@@ -1,7 +1,8 @@
-"""The "triton" attention backend: the Triton kernels of triton_gdn / triton_conv /
-triton_paged, the fused MoE experts of models/triton_moe and the fused elementwise glue of
-models/triton_elementwise (flash-attn inside triton_paged where importable and applicable, fla-core's
+"""The "triton" backend `TRITON`: every Ops field of the table in ops.py run by its Triton
+kernel (triton_paged, triton_conv, triton_gdn, triton_moe, triton_elementwise,
+triton_fp8_matmul; flash-attn inside triton_paged where importable and applicable, fla-core's
 chunked kernel for GDN prefill where importable), with write_kv from the torch reference.
+Each entry point falls back to its reference only by triton_common.use_reference's rule.
 
 Importing this module registers the backend; `select_ops` imports it lazily when
 "triton" is asked for or the device is CUDA. On CPU it runs only under the Triton
@@ -13,8 +14,7 @@ import torch
 
 from mtpkit.errors import ConfigError
 from mtpkit.kernels.ops import Ops, register_ops
-from mtpkit.kernels import triton_elementwise, triton_moe
-from mtpkit.kernels import triton_conv, triton_gdn, triton_paged
+from mtpkit.kernels import triton_conv, triton_elementwise, triton_fp8_matmul, triton_gdn, triton_moe, triton_paged
 
 __all__ = ["TRITON", "make_triton_ops"]
 
@@ -23,6 +23,7 @@ TRITON = Ops(
     write_kv=triton_paged.write_kv,
     paged_attention_prefill=triton_paged.paged_attention_prefill,
     paged_attention_verify=triton_paged.paged_attention_verify,
+    verify_gather=None,  # the kernel reads through the block table
     causal_conv1d_prefill=triton_conv.causal_conv1d_prefill,
     causal_conv1d_verify=triton_conv.causal_conv1d_verify,
     gated_delta_rule_prefill=triton_gdn.gated_delta_rule_prefill,
@@ -35,6 +36,8 @@ TRITON = Ops(
     norm_add=triton_elementwise.norm_add,
     gated_rms_norm=triton_elementwise.gated_rms_norm,
     act_mul=triton_elementwise.act_mul,
+    fp8_linear=triton_fp8_matmul.fp8_linear,
+    fp8_batched=triton_fp8_matmul.fp8_batched,
 )
 
 

@@ -32,7 +32,8 @@ this was written on, so that path is untested here.
 
 Scores, softmax and accumulation in fp32 (16-bit inputs use the tensor cores with fp32
 accumulation, probabilities cast to the value dtype for the second product as flash
-attention does; fp32 inputs use IEEE fp32 products). fp64 goes to the torch reference.
+attention does; fp32 inputs use IEEE fp32 products).
+triton_common.use_reference's rule (fp64) sends a call to the torch reference.
 Fixed launch configurations, no autotuning.
 """
 
@@ -52,10 +53,6 @@ __all__ = ["write_kv", "paged_attention_prefill", "paged_attention_verify", "num
 write_kv = ref.write_kv
 
 MAX_HEAD_DIM = 512
-
-
-def _use_reference(*xs: Tensor) -> bool:
-    return use_reference("mtpkit.kernels.triton_paged", *xs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -346,7 +343,7 @@ def paged_attention_verify(
     max_seq_len replays the same launch. `kv_slots` / `kv_pos` are the torch path's
     precomputed gather: the kernel reads through the block table, masked at seq_lens and the
     window, and ignores them."""
-    if _use_reference(q, k_cache, v_cache):
+    if use_reference(__name__, q, k_cache, v_cache):
         return ref.paged_attention_verify(q, k_cache, v_cache, seq_lens, block_table, scale,
                                           sliding_window, softcap, max_seq_len, kv_slots, kv_pos)
     R, B, H, D = q.shape
@@ -404,7 +401,7 @@ def paged_attention_prefill(
     softcap: float | None = None,
 ) -> Float[Tensor, "num_tokens heads head_dim"]:
     """Triton version of paged.paged_attention_prefill (see the module docstring)."""
-    if _use_reference(q, k_cache, v_cache):
+    if use_reference(__name__, q, k_cache, v_cache):
         return ref.paged_attention_prefill(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
                                            scale, sliding_window, softcap)
     T, H, D = q.shape

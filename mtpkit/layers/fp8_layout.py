@@ -23,6 +23,11 @@ their input features (`Columns`: a row-parallel rank's shard, or all of them):
   of rows of one kind (`FP8Rows.segments`): an FP8 run multiplies through the block-scaled
   matmul, a plain run as any linear layer, and the outputs are concatenated.
 
+The matmuls are the `ops` the layer was switched to FP8 mode with (`use_fp8(..., ops)`, the
+model's kernel selector): Ops.fp8_linear / fp8_batched, the Triton kernels on the "triton"
+backend and their torch references (kernels/fp8_matmul.py) on the "torch" one; without ops
+(unit tests) the references. This module never picks a kernel itself.
+
 Every tensor here is the linear family's (any leading dims), so plain Tensor; the typed
 boundaries are the matmuls in kernels/fp8_matmul.py and kernels/triton_fp8_matmul.py.
 """
@@ -36,6 +41,7 @@ from torch import nn
 from mtpkit.checkpoint.weights import WeightSpec, narrow, read
 from mtpkit.kernels import fp8_matmul
 from mtpkit.kernels.fp8_matmul import FP8
+from mtpkit.kernels.ops import Ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,13 +133,15 @@ class FP8Matrix(nn.Module):
     """A kept FP8 weight, or a stack of them sharing one row layout (experts: `lead`):
     weight float8_e4m3fn [*lead, N, stored columns], weight_scale_inv fp32
     [*lead, scale rows, column groups], scale_rows [N] (None: the block layout), and the
-    input's zero padding `k_pad`."""
+    input's zero padding `k_pad`. Its matmuls are `ops`' (the torch references without)."""
 
-    def __init__(self, layout: RowLayout, cols: Columns, block: tuple[int, int], lead: tuple[int, ...] = ()):
+    def __init__(self, layout: RowLayout, cols: Columns, block: tuple[int, int], lead: tuple[int, ...] = (),
+                 ops: Ops | None = None):
         super().__init__()
         bn, bk = block
         a0, a1 = cols.stored(bk)
         self.block, self.cols, self.layout, self.k_pad = block, cols, layout, cols.pad(bk)
+        self.ops = ops
         n = layout.part.numel()
         self.weight = nn.Parameter(torch.empty(*lead, n, a1 - a0, dtype=FP8), requires_grad=False)
         self.weight_scale_inv = nn.Parameter(torch.empty(*lead, layout.table.shape[0], -(-a1 // bk) - a0 // bk),
@@ -144,20 +152,27 @@ class FP8Matrix(nn.Module):
     def _input(self, x: torch.Tensor) -> torch.Tensor:
         return F.pad(x, self.k_pad) if any(self.k_pad) else x
 
+    @property
+    def _kernels(self):
+        """The matmuls: the selector's, or the torch references (same names)."""
+        return self.ops or fp8_matmul
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T (a 2-D weight; any leading dims of x)."""
-        return fp8_linear(self._input(x), self.weight, self.weight_scale_inv, self.block, self.scale_rows)
+        return self._kernels.fp8_linear(self._input(x), self.weight, self.weight_scale_inv, self.block,
+                                        self.scale_rows)
 
     def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         """x @ W[e]^T for one weight of the stack."""
-        return fp8_linear(self._input(x), self.weight[e], self.weight_scale_inv[e], self.block, self.scale_rows)
+        return self._kernels.fp8_linear(self._input(x), self.weight[e], self.weight_scale_inv[e], self.block,
+                                        self.scale_rows)
 
     def batched(self, x: torch.Tensor, experts: torch.Tensor | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [B, M, K] @ W[experts[b]]^T per b (W[b] without experts; x [1, M, K] is shared
         by every weight of the stack)."""
-        return fp8_batched(self._input(x), self.weight, self.weight_scale_inv, self.block, experts, self.scale_rows,
-                           out_dtype)
+        return self._kernels.fp8_batched(self._input(x), self.weight, self.weight_scale_inv, self.block, experts,
+                                         self.scale_rows, out_dtype)
 
     # ---- loading ------------------------------------------------------------------------
     def _read(self, t: dict, parts: list[Part]) -> torch.Tensor:
@@ -241,25 +256,26 @@ class PlainRows(nn.Module):
 
 class FP8Rows(nn.Module):
     """A weight in FP8 mode: its output rows as runs of one kind, FP8 (`FP8Matrix`) or plain
-    (`PlainRows`), each computed on its own and concatenated (one run in the usual case)."""
+    (`PlainRows`), each computed on its own and concatenated (one run in the usual case).
+    The FP8 runs' matmuls are `ops`' (the torch references without)."""
 
     def __init__(self, parts: list[Part], order: torch.Tensor | None, cols: Columns, block: tuple[int, int],
-                 fp8_names):
+                 fp8_names, ops: Ops | None = None):
         super().__init__()
         self.parts = parts
         part, row = row_sources(parts, order)
         kind = torch.tensor([p.name in fp8_names for p in parts], device="cpu")[part]
         cuts = [0] + (torch.nonzero(kind[1:] != kind[:-1]).flatten() + 1).tolist() + [part.numel()]
         self.segments = nn.ModuleList(
-            FP8Matrix(row_layout(part[a:b], row[a:b], block[0]), cols, block) if kind[a] else
+            FP8Matrix(row_layout(part[a:b], row[a:b], block[0]), cols, block, ops=ops) if kind[a] else
             PlainRows(part[a:b], row[a:b], cols) for a, b in zip(cuts, cuts[1:]))
 
     @staticmethod
-    def build(parts, order, cols, block, fp8_names) -> "FP8Rows | None":
+    def build(parts, order, cols, block, fp8_names, ops: Ops | None = None) -> "FP8Rows | None":
         """The FP8-mode layout, None when no part is FP8 in the checkpoint."""
         if not any(p.name in fp8_names for p in parts):
             return None
-        return FP8Rows(parts, order, cols, block, fp8_names)
+        return FP8Rows(parts, order, cols, block, fp8_names, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         outs = [s(x) for s in self.segments]
@@ -268,40 +284,3 @@ class FP8Rows(nn.Module):
     def specs(self) -> list[WeightSpec]:
         return [spec for s in self.segments for spec in (s.specs([self.parts]) if isinstance(s, FP8Matrix)
                                                           else s.specs(self.parts))]
-
-
-# ---- the matmuls: Triton on CUDA, the torch reference elsewhere ---------------------------
-
-
-def fp8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-               scale_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T for a block-scaled FP8 weight: the Triton kernel on CUDA, its torch reference
-    elsewhere (imported lazily: a CPU install has no Triton)."""
-    kernel = _triton() if x.device.type == "cuda" else None
-    if kernel is not None:
-        return kernel.fp8_linear(x, wq, scale, block, scale_rows)
-    return fp8_matmul.fp8_linear_reference(x, wq, scale, block, scale_rows)
-
-
-def fp8_batched(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                experts: torch.Tensor | None = None, scale_rows: torch.Tensor | None = None,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [B, M, K] @ W[experts[b]]^T per b over a stack of FP8 weights (x [1, M, K]: the same
-    rows for every weight, quantized once); Triton on CUDA, the reference elsewhere."""
-    B = wq.shape[0] if experts is None else experts.shape[0]
-    M, K = x.shape[1], x.shape[2]
-    xq, xs = fp8_matmul.quantize_activation(x.reshape(-1, K), block[1])
-    xq, xs = xq.view(-1, M, K).expand(B, M, K), xs.view(-1, M, xs.shape[-1]).expand(B, M, xs.shape[-1])
-    kernel = _triton() if x.device.type == "cuda" else None
-    run = kernel.fp8_batched_matmul if kernel is not None else fp8_matmul.fp8_batched_matmul
-    return run(xq, xs, wq, scale, block, out_dtype or x.dtype, experts, scale_rows)
-
-
-def _triton():
-    """The Triton FP8 module, or None without Triton (a CUDA install without the gpu extra runs
-    the torch reference, as the attention backends do)."""
-    try:
-        from mtpkit.kernels import triton_fp8_matmul
-    except ImportError:
-        return None
-    return triton_fp8_matmul

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpkit.checkpoint.weights import WeightSpec, inverse, narrow, read, shard_range
+from mtpkit.kernels.ops import Ops
 from mtpkit.layers.fp8_layout import Columns, FP8Rows, Part
 from mtpkit.parallel import TP
 from mtpkit.shapes import Float, Int, Tensor, checked
@@ -69,10 +70,11 @@ class Linear(nn.Module):
 
     order: Tensor | None = None  # a permutation of the concatenated rows (merged layouts)
 
-    def use_fp8(self, block: tuple[int, int], prefix: str, fp8_names) -> bool:
+    def use_fp8(self, block: tuple[int, int], prefix: str, fp8_names, ops: Ops | None = None) -> bool:
         """Keep the checkpoint's FP8 weights (those of `fp8_names`) with their block scales and
-        run the block-scaled FP8 matmul; called before loading. False: no part is FP8."""
-        layout = FP8Rows.build(self.fp8_parts(prefix), self.order, self.fp8_columns(), block, fp8_names)
+        run the block-scaled FP8 matmul of `ops` (the model's kernel selector; the torch
+        reference without); called before loading. False: no part is FP8."""
+        layout = FP8Rows.build(self.fp8_parts(prefix), self.order, self.fp8_columns(), block, fp8_names, ops)
         if layout is None:
             return False
         self.fp8, self.weight = layout, None

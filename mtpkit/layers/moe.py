@@ -31,6 +31,9 @@ FP8 checkpoints kept in FP8 (use_fp8): w_in's rows as runs of one kind (fp8_layo
 the router is usually unquantized, the shared expert's gate and up rows FP8) and, when every
 expert is FP8, the experts as moe_fp8.FP8Experts (their own stacks and paths) instead of w13
 and w_out.
+
+Every kernel comes from `ops` (kernels/ops.py: the experts, the gated activations, the FP8
+matmuls); a block built without ops runs the torch references.
 """
 
 import torch
@@ -39,6 +42,7 @@ from torch import nn
 from mtpkit.checkpoint.weights import WeightSpec, narrow, read, shard_range
 from mtpkit.kernels import elementwise
 from mtpkit.kernels.moe_experts import moe_experts
+from mtpkit.kernels.ops import Ops
 from mtpkit.layers.fp8_layout import Columns, FP8Rows
 from mtpkit.layers.linear import linear
 from mtpkit.layers.moe_fp8 import FP8Experts, MoENames, in_parts
@@ -48,11 +52,12 @@ from mtpkit.shapes import Float, Int, Tensor, checked
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden: int, num_experts: int, topk: int, intermediate: int,
-                 shared_intermediate: int, norm_topk: bool, tp: TP, ops=None):
+                 shared_intermediate: int, norm_topk: bool, tp: TP, ops: Ops | None = None):
         super().__init__()
         self.tp, self.topk, self.norm_topk = tp, topk, norm_topk
-        # The attention backend's moe_experts runs the sparse path's experts (the torch
-        # reference without a backend, or a fused Triton kernel).
+        # The kernels (kernels/ops.py): moe_experts runs the sparse path's experts (the torch
+        # reference without ops, or a fused Triton kernel), act_mul the shared expert's
+        # activation, fp8_* the FP8 mode's matmuls.
         self.ops = ops
         self.hidden, self.num_experts, self.inter = hidden, num_experts, intermediate
         self.num_local = tp.split(num_experts, what="num_experts")
@@ -75,15 +80,16 @@ class SparseMoE(nn.Module):
                         shared=prefix + ".shared_expert" if self.s else None,
                         shared_gate=prefix + ".shared_expert_gate.weight" if self.s else None)
 
-    def use_fp8(self, block: tuple[int, int], prefix: str, fp8_names) -> bool:
+    def use_fp8(self, block: tuple[int, int], prefix: str, fp8_names, ops: Ops | None = None) -> bool:
         """Keep the FP8 weights of `fp8_names`: w_in's rows (router, shared gate, shared gate
         and up: runs of one kind, see fp8_layout.FP8Rows) and, when every expert is FP8, the
-        experts and the shared expert's down projection (moe_fp8.FP8Experts). Called before
-        loading; False when nothing is FP8."""
+        experts and the shared expert's down projection (moe_fp8.FP8Experts). Their matmuls
+        are `ops`' (default the block's own). Called before loading; False when nothing is FP8."""
         names = self.moe_names(prefix, fp8_names)
+        ops = self.ops if ops is None else ops
         self.fp8_in = FP8Rows.build(in_parts(self, names), None, Columns(self.hidden, 0, self.hidden), block,
-                                    fp8_names)
-        self.fp8 = FP8Experts.build(self, names, block, fp8_names)
+                                    fp8_names, ops)
+        self.fp8 = FP8Experts.build(self, names, block, fp8_names, ops)
         if self.fp8_in is not None:
             self.w_in = None
         if self.fp8 is not None:

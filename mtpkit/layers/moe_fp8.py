@@ -17,8 +17,9 @@ Paths (chosen by SparseMoE._experts from the step's shape, as in the plain layou
 - sparse: each token-expert pair's expert gathered by index inside the kernel (a decode step
   reads only the chosen experts' blocks, once per pair);
 - grouped: one product per expert hit (prefill), on that expert's tokens.
-The fused MoE Triton kernel (triton_moe.py) stays for 16-bit and fp32 weights; these paths run
-kernels/triton_fp8_matmul.py's batched kernel on CUDA and its torch reference elsewhere.
+The fused MoE kernel (Ops.moe_experts) stays for 16-bit and fp32 weights; these paths run the
+block's `ops`' FP8 batched matmul (Ops.fp8_batched: triton_fp8_matmul.py's kernel on the
+"triton" backend, its torch reference in fp8_matmul.py on the "torch" one).
 """
 
 import dataclasses
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from mtpkit.checkpoint.weights import WeightSpec
+from mtpkit.kernels.ops import Ops
 from mtpkit.layers.fp8_layout import (
     Columns,
     FP8Matrix,
@@ -60,7 +62,10 @@ def in_parts(moe, names: MoENames) -> list[Part]:
 
 
 class FP8Experts(nn.Module):
-    def __init__(self, moe, names: MoENames, block: tuple[int, int], fp8_names):
+    """The experts' two FP8 stacks (and the shared expert's down projection), their matmuls
+    `ops`' (the torch references without)."""
+
+    def __init__(self, moe, names: MoENames, block: tuple[int, int], fp8_names, ops: Ops | None = None):
         super().__init__()
         E, I, H, nl, first = moe.num_experts, moe.inter, moe.hidden, moe.num_local, moe.first
         ex = names.experts
@@ -75,16 +80,19 @@ class FP8Experts(nn.Module):
             self.fused = None
         self.mine = slice(0, nl) if names.fused else slice(first, first + nl)  # this rank's entries
         bn = block[0]
-        self.w13 = FP8Matrix(row_layout(*row_sources(self.w13_parts[0], None), bn), Columns(H, 0, H), block, (nl,))
-        self.down = FP8Matrix(row_layout(*row_sources(self.down_parts[0], None), bn), Columns(I, 0, I), block, (nl,))
+        self.w13 = FP8Matrix(row_layout(*row_sources(self.w13_parts[0], None), bn), Columns(H, 0, H), block, (nl,),
+                             ops)
+        self.down = FP8Matrix(row_layout(*row_sources(self.down_parts[0], None), bn), Columns(I, 0, I), block, (nl,),
+                              ops)
         self.down.weight.expert_down = True  # [experts, hidden, I]: not a per-token width (memory_plan)
         # The shared expert's down projection: this rank's columns (FP8 or plain as stored).
         self.shared_down = (FP8Rows([Part(f"{names.shared}.down_proj.weight", H, 0, H)], None,
-                                    Columns(moe.shared_inter, *moe.shared_range), block, fp8_names)
+                                    Columns(moe.shared_inter, *moe.shared_range), block, fp8_names, ops)
                             if moe.s else None)
 
     @staticmethod
-    def build(moe, names: MoENames, block: tuple[int, int], fp8_names) -> "FP8Experts | None":
+    def build(moe, names: MoENames, block: tuple[int, int], fp8_names, ops: Ops | None = None
+              ) -> "FP8Experts | None":
         """The experts in FP8 when every one of them is FP8 in the checkpoint; None otherwise
         (then they load in the plain layout, dequantized)."""
         ex, E = names.experts, moe.num_experts
@@ -92,7 +100,7 @@ class FP8Experts(nn.Module):
                   [f"{ex}.{e}.{p}_proj.weight" for e in range(E) for p in ("gate", "up", "down")])
         if not all(n in fp8_names for n in stored):
             return None
-        return FP8Experts(moe, names, block, fp8_names)
+        return FP8Experts(moe, names, block, fp8_names, ops)
 
     def specs(self) -> list[WeightSpec]:
         shared = self.shared_down.specs() if self.shared_down is not None else []
