@@ -3,8 +3,8 @@
 
 On CPU every matrix that only multiplies (x @ W^T) is stored column-major: BLAS's small-batch
 products read W^T contiguously, which is faster at decode sizes. Values and shapes are
-unchanged. Tensors read by rows (embedding tables, gathered by token id; Qwen3-Next's conv
-weights) stay row-major, as the model says; the experts' [local, 2I, hidden] blocks are laid
+unchanged. The tensors a model names stay row-major (embedding tables, gathered by token id;
+Qwen3-Next's conv taps, no matmul operand); the experts' [local, 2I, hidden] blocks are laid
 out as their [local * 2I, hidden] matrix (what the dense MoE path multiplies). Other devices
 keep the layout as loaded.
 """

@@ -337,8 +337,8 @@ class Gemma4ForCausalLM(FamilyModel):
         H, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
         Vp = -(-V // tp.size)
         self.embed_tokens = nn.Parameter(torch.empty(Vp, H), requires_grad=False)
-        _, self.kv_at = kv_groups(cfg, tp.size)        # layer -> (KV group, index in it)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i, self.kv_at[i], tp, ops) for i in range(L)])
+        _, self.layer_kv = kv_groups(cfg, tp.size)     # layer -> (KV group, index in it)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, self.layer_kv[i], tp, ops) for i in range(L)])
         self.norm = GemmaRMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(Vp, H), requires_grad=False)
         self.ple_dim = cfg.hidden_size_per_layer_input
@@ -361,7 +361,7 @@ class Gemma4ForCausalLM(FamilyModel):
         """Per layer type: (KV group, index in it) of the last layer of that type that
         computes its own KV (types without one are absent)."""
         sources = {kind: kv_source_of_type(self.cfg, kind) for kind in sorted(set(self.cfg.layer_types))}
-        return {kind: self.kv_at[src] for kind, src in sources.items() if src is not None}
+        return {kind: self.layer_kv[src] for kind, src in sources.items() if src is not None}
 
     # ---- checkpoint names --------------------------------------------------------------
     def checkpoint_name(self, param_name: str) -> str:

@@ -385,8 +385,8 @@ class Qwen3NextForCausalLM(FamilyModel):
         return fused_expert_aliases(shapes, self.cfg.num_experts, self.cfg.moe_intermediate_size)
 
     def row_major(self, name: str) -> bool:
-        """The embedding and the GDN conv weights (the conv reads each channel's taps as a row)
-        stay row-major (set_weight_layout)."""
+        """The embedding (gathered by rows) and the GDN conv weights (per-channel taps, no
+        matmul operand) stay row-major (set_weight_layout)."""
         return name == "embed_tokens" or name.endswith("conv_weight")
 
     @checked
