@@ -382,12 +382,13 @@ def test_an_assistant_is_not_a_target_and_drafts_only_for_gemma4(pairs, hf_check
 
 
 def test_tensor_parallel_split_of_the_assistant(pairs):
-    from mtpkit.models.registry import read_config
+    from mtpkit.models.registry import drafter_kind_of, read_config
     from mtpkit.checkpoint.hub import read_config_json
     from mtpkit.speculative import gemma4_assistant
     pair = pairs("dense")
     _, target_cfg = read_config(pair[2])
-    setup = gemma4_assistant.setup(read_config_json(pair[3]), pair[3], target_cfg, 2, 16, "safetensors")
+    raw = read_config_json(pair[3])
+    setup = gemma4_assistant.setup(drafter_kind_of(raw), raw, pair[3], target_cfg, 2, 16, "safetensors")
     setup.check_tensor_parallel(2)       # 4 heads, intermediate 80
     with pytest.raises(ConfigError, match="num_attention_heads=4 is not divisible by 3"):
         setup.check_tensor_parallel(3)

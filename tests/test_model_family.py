@@ -1,4 +1,5 @@
-"""The model-family seam: a third family, written here from the project's layers, runs
+"""The model-family seam: every built-in family's model satisfies the written-down interface
+(mtpkit/models/family.py), and a third family, written here from the project's layers, runs
 through the unchanged engine (registry, cache groups, loader, scheduler, graphs, drafters).
 
 `toy_llama` is a plain attention decoder: no recurrent state, RoPE, GQA, SwiGLU MLP, tied
@@ -20,6 +21,12 @@ from mtpkit.step.metadata import PrefillMetadata
 from mtpkit.step.cache_spec import CacheSpec, KVGroup
 from mtpkit.errors import ConfigError
 from mtpkit.models import registry
+from mtpkit.models.family import CausalLM, FamilyConfig, FamilyModel
+from mtpkit.models.gemma4.model import Gemma4ForCausalLM
+from mtpkit.checkpoint.hub import checkpoint_default_drafter, read_config_json, resolve_model
+from mtpkit.checkpoint.weights import CheckpointModel
+from mtpkit.kernels.ops import select_ops
+from mtpkit.step.cache_spec import CacheSpec as _CacheSpec
 from mtpkit.layers.mlp import MLP
 from mtpkit.layers.linear import Linear
 from mtpkit.layers.rope import PartialRoPE
@@ -90,7 +97,7 @@ class ToyAttention(nn.Module):
         return self.o_proj(o.transpose(0, 1).reshape(-1, h * d))
 
 
-class ToyLlama(nn.Module):
+class ToyLlama(FamilyModel):
     def __init__(self, cfg: ToyConfig, ops, tp: TP | None = None):
         super().__init__()
         self.cfg, self.ops, self.tp = cfg, ops, tp or TP.single()
@@ -114,7 +121,7 @@ class ToyLlama(nn.Module):
     def checkpoint_name(name: str) -> str:
         return "model." + name
 
-    def set_weight_layout(self, device):
+    def set_weight_layout(self, device):   # the layout it was tested with (FamilyModel's is column-major on CPU)
         pass
 
     def _layers(self, x, attend):
@@ -131,6 +138,64 @@ class ToyLlama(nn.Module):
 
     def reference_logits(self, ids: list[int]):
         return self.compute_logits(self._layers(self.embed_tokens[torch.tensor(ids)], lambda attn, h: attn.reference(h)))
+
+
+# ---- the interface (family.py) -------------------------------------------------------------
+def _built(name: str):
+    """(family, config, model) of an embedded checkpoint, built from config.json (random weights)."""
+    family, cfg = registry.read_config(resolve_model(name))
+    return family, cfg, family.model_class(cfg, select_ops(torch.device("cpu")), TP.single())
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-gemma4"])
+def test_builtin_families_satisfy_the_interface(name):
+    """Each built-in family's config and model are what the engine, the loader and the
+    drafters call: the Protocols of family.py, the optional hooks from FamilyModel, the
+    class-level declarations callable from config.json alone."""
+    family, cfg, model = _built(name)
+    assert isinstance(cfg, FamilyConfig)
+    assert issubclass(family.model_class, FamilyModel)
+    assert isinstance(model, CausalLM) and isinstance(model, CheckpointModel)
+    assert isinstance(family.model_class.cache_spec(cfg, num_spec=2, tp_size=1), _CacheSpec)
+    assert family.model_class.check_tensor_parallel(cfg, 1) is None
+    assert isinstance(model.checkpoint_aliases({}), dict)
+    assert isinstance(model.ignored_checkpoint_prefixes(), tuple)
+
+
+def test_the_drafter_kind_is_a_checkpoint_model():
+    """The Gemma 4 assistant (a drafter kind, declared in the registry) is filled by the same
+    loader: a CheckpointModel, built from the target's declared KV sources."""
+    target_path = resolve_model("tiny-gemma4")
+    raw = read_config_json(resolve_model(checkpoint_default_drafter(target_path)))
+    kind = registry.drafter_kind_of(raw)
+    assert kind is not None and kind.reads_target_kv
+    _, target_cfg, target = _built("tiny-gemma4")
+    sources = target.kv_sources()
+    for layer_type, at in sources.items():        # the last KV-computing layer of each type
+        last = max(i for i in range(target_cfg.first_shared_layer) if target_cfg.layer_types[i] == layer_type)
+        attn = target.layers[last].self_attn
+        assert at == (attn.kv_group, attn.kv_index)
+    assistant = kind.model_class(kind.config_class.from_dict(raw), select_ops(torch.device("cpu")), TP.single(),
+                                 kv_at=sources)
+    assert issubclass(kind.model_class, FamilyModel) and isinstance(assistant, CheckpointModel)
+    assert registry.drafter_kind_of({**raw, "model_type": "gemma4_text"}) is None
+
+
+def test_the_interface_check_fails_on_a_missing_member(monkeypatch):
+    """The checks above are not vacuous: a family model missing a method, an attribute or a
+    FamilyModel default does not satisfy the Protocols."""
+    _, _, model = _built("tiny-gemma4")
+    assert isinstance(model, CausalLM)
+    with monkeypatch.context() as m:
+        m.delattr(Gemma4ForCausalLM, "compute_logits")
+        assert not isinstance(model, CausalLM)
+    with monkeypatch.context() as m:
+        m.delattr(FamilyModel, "checkpoint_aliases")        # a hook only the base class provides
+        assert not isinstance(model, CheckpointModel) and not isinstance(model, CausalLM)
+    with monkeypatch.context() as m:
+        m.delattr(model, "ops")
+        assert not isinstance(model, CausalLM)
+    assert isinstance(model, CausalLM)
 
 
 TOY = dict(model_type="toy_llama", vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

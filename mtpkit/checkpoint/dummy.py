@@ -3,19 +3,19 @@ checks at real layer shapes without writing a multi-GB checkpoint. Deterministic
 so two engines built with the same seed hold the same weights."""
 
 import torch
-from torch import nn
+
+from mtpkit.checkpoint.weights import CheckpointModel
 
 
 @torch.no_grad()
-def init_dummy_weights(model: nn.Module, dtype: torch.dtype, device: torch.device,
+def init_dummy_weights(model: CheckpointModel, dtype: torch.dtype, device: torch.device,
                        seed: int = 0, std: float = 0.02) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
-    # A family whose weights need other starting values (Gemma 4's plain-weight norms and
-    # scales start at 1) says so per parameter; None keeps the rules below.
-    special = getattr(model, "dummy_value", lambda name, shape: None)
     for name, p in sorted(model.named_parameters()):
         leaf = name.rsplit(".", 1)[-1]
-        if (value := special(name, tuple(p.shape))) is not None:
+        # A family whose weights need other starting values (Gemma 4's plain-weight norms and
+        # scales start at 1) says so per parameter; None keeps the rules below.
+        if (value := model.dummy_value(name, tuple(p.shape))) is not None:
             value = value.to(device)
         elif "norm" in name and leaf == "weight":
             # zero-centred RMSNorms act as identity at 0; the GDN gated norm's weight is plain

@@ -1,7 +1,8 @@
 """Load a Hugging Face checkpoint (model.safetensors, or a sharded index) into a model of any
 family, by the checkpoint's own names: each parameter's `WeightSpec` comes from the module
 that owns it (`checkpoint_specs`) or, for a plain parameter, from the model's
-`checkpoint_name`.
+`checkpoint_name`. What it calls on a model and its modules: weights.py's `CheckpointModel`,
+`HasCheckpointSpecs` and `KeepsFP8`.
 
 Every check runs on the safetensors headers first (names and shapes, no data read), and every
 missing, unexpected or misshapen weight is reported in one `CheckpointError` (every rank checks
@@ -13,11 +14,10 @@ import json
 from pathlib import Path
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from mtpkit.errors import CheckpointError
 from mtpkit.checkpoint.fp8 import FP8_HEADER, Dequantized, FP8Format, pair_scales
-from mtpkit.checkpoint.weights import WeightSpec, read
+from mtpkit.checkpoint.weights import CheckpointModel, HasCheckpointSpecs, KeepsFP8, WeightSpec, read
 
 
 class Stored:
@@ -80,7 +80,7 @@ def _shapes(index: dict[str, Path], dtypes: dict | None = None) -> dict[str, tup
     return shapes
 
 
-def weight_specs(model: nn.Module) -> list[WeightSpec]:
+def weight_specs(model: CheckpointModel) -> list[WeightSpec]:
     """Every parameter with the checkpoint tensors it is made from (see weights.py). The model
     provides `embed_tokens` and `lm_head` (None when tied; both vocab-parallel) and
     `checkpoint_name(parameter name)`; modules with merged or sharded layouts provide
@@ -92,13 +92,12 @@ def weight_specs(model: nn.Module) -> list[WeightSpec]:
         specs.append(WeightSpec(p, {name: shape}, lambda t: assemble(t[name]), lambda w: {name: w}))
 
     # Vocab-parallel: rank r holds rows r*ceil(V/size) ... (zero-padded past V).
-    for pname in ("embed_tokens", "lm_head"):
-        p = getattr(model, pname)
+    for pname, p in (("embed_tokens", model.embed_tokens), ("lm_head", model.lm_head)):
         if p is not None:
             simple(p, model.checkpoint_name(pname + ".weight"), (V, p.shape[1]), lambda x: tp.shard_padded(x, 0))
     owned = {id(model.embed_tokens), id(model.lm_head)}
     for mname, m in model.named_modules():
-        if mname and hasattr(m, "checkpoint_specs"):  # linear family, MoE, ...: their own layouts
+        if mname and isinstance(m, HasCheckpointSpecs):  # linear family, MoE, ...: their own layouts
             for spec in m.checkpoint_specs(model.checkpoint_name(mname)):
                 specs.append(spec)
                 owned.add(id(spec.param))
@@ -108,7 +107,7 @@ def weight_specs(model: nn.Module) -> list[WeightSpec]:
     return specs
 
 
-def export_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def export_state_dict(model: CheckpointModel) -> dict[str, torch.Tensor]:
     """The model's parameters under the checkpoint's names and shapes (the inverse of loading;
     single rank)."""
     if model.tp.size != 1:
@@ -138,7 +137,7 @@ def fp8_weights(path: Path) -> tuple[FP8Format, dict[str, str]] | None:
     return fmt, pair_scales(fmt, shapes, dtypes, str(path))
 
 
-def keep_fp8_linears(model: nn.Module, fmt: FP8Format, fp8_weights) -> list[str]:
+def keep_fp8_linears(model: CheckpointModel, fmt: FP8Format, fp8_weights) -> list[str]:
     """Switch every module that holds a checkpoint FP8 weight (the linear family, merged ones
     included, and the MoE blocks) to FP8 mode: each keeps its FP8 weights with their block
     scales, whatever its merges and shards (layers/fp8_layout.py), and runs the FP8 matmuls of
@@ -149,13 +148,13 @@ def keep_fp8_linears(model: nn.Module, fmt: FP8Format, fp8_weights) -> list[str]
     if fmt.block is None:
         return kept
     for mname, m in list(model.named_modules()):
-        if mname and hasattr(m, "use_fp8") and m.use_fp8(fmt.block, model.checkpoint_name(mname), fp8_weights,
-                                                         model.ops):
+        if mname and isinstance(m, KeepsFP8) and m.use_fp8(fmt.block, model.checkpoint_name(mname), fp8_weights,
+                                                           model.ops):
             kept.append(mname)
     return kept
 
 
-def load_checkpoint(model: nn.Module, path: str | Path, dtype: torch.dtype,
+def load_checkpoint(model: CheckpointModel, path: str | Path, dtype: torch.dtype,
                     device: torch.device, keep_fp8: bool | None = None) -> None:
     """Check every name and shape, then load every parameter as `dtype` on `device`.
 
@@ -174,7 +173,7 @@ def load_checkpoint(model: nn.Module, path: str | Path, dtype: torch.dtype,
     if fp8_pairs and (device.type == "cuda" if keep_fp8 is None else keep_fp8):
         keep_fp8_linears(model, fmt, fp8_pairs)
     # Other layouts of the same tensors a model can read (e.g. fused experts): name -> (stored, cut).
-    aliases = model.checkpoint_aliases(shapes) if hasattr(model, "checkpoint_aliases") else {}
+    aliases = model.checkpoint_aliases(shapes)
     specs = weight_specs(model)
     expected = {n: s for spec in specs for n, s in spec.sources.items()}
 
@@ -188,7 +187,7 @@ def load_checkpoint(model: nn.Module, path: str | Path, dtype: torch.dtype,
     missing = [n for n in expected if n not in shapes and n not in aliases]
     misshapen = [(n, expected[n], found_shape(n)) for n in expected
                  if n not in missing and found_shape(n) != tuple(expected[n])]
-    ignorable = model.ignored_checkpoint_prefixes() if hasattr(model, "ignored_checkpoint_prefixes") else ()
+    ignorable = model.ignored_checkpoint_prefixes()
     scales = set(fp8_pairs.values())  # read with their weights (expected by name only in FP8 mode)
     unexpected = [n for n in shapes if n not in expected and n not in used_fused and n not in scales
                   and not n.startswith(ignorable)]
@@ -230,10 +229,11 @@ def load_checkpoint(model: nn.Module, path: str | Path, dtype: torch.dtype,
 
 
 def build_model(family, cfg, path: Path, *, ops, tp, dtype: torch.dtype, device: torch.device,
-                load_format: str, seed: int, keep_fp8: bool | None = None, **kwargs) -> nn.Module:
-    """A model of `family` with its weights: read from the checkpoint at `path` (FP8 weights
-    kept as load_checkpoint's `keep_fp8` says), or random (`load_format="dummy"`,
-    deterministic in `seed`); then laid out for the device."""
+                load_format: str, seed: int, keep_fp8: bool | None = None, **kwargs) -> CheckpointModel:
+    """A model of `family` (a family or drafter-kind record: `family.model_class(cfg, ops, tp,
+    **kwargs)`) with its weights: read from the checkpoint at `path` (FP8 weights kept as
+    load_checkpoint's `keep_fp8` says), or random (`load_format="dummy"`, deterministic in
+    `seed`); then laid out for the device."""
     from mtpkit.checkpoint.dummy import init_dummy_weights
     model = family.model_class(cfg, ops, tp, **kwargs)
     if load_format == "dummy":

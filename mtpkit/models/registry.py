@@ -1,34 +1,31 @@
-"""Model families by `model_type`, and model names -> checkpoint directories.
+"""Model families and drafter checkpoint kinds by `model_type`, and the built-in models'
+one-line descriptions.
 
-A family is (config class, model class, default drafter). The config class reads a
+A family is (config class, model class, default drafter): the config class reads a
 config.json dict (`from_dict(raw, where)`, raising ConfigError for what it does not
-support); the model class is what the engine runs (its interface is in DESIGN.md, "Adding a
-model family"); the default drafter names the drafter `LLM(..., num_spec=k)` uses when no
-`draft_model` is given (None: speculation needs a draft model). Families register
-themselves with `register_family`; `read_config` picks the family from config.json.
+support); the model class is what the engine runs (the interface: family.py); the default
+drafter names the drafter `LLM(..., num_spec=k)` uses when no `draft_model` is given (None:
+speculation needs a draft model). A drafter kind is a checkpoint type that only drafts
+(Gemma 4's assistant). Both register here (`register_family`, `register_drafter_kind`);
+`read_config` picks the family from config.json, `drafter_kind_of` a draft checkpoint's kind.
 """
 
-import dataclasses
 from pathlib import Path
 
 from mtpkit.errors import ConfigError
 from mtpkit.checkpoint.hub import ASSETS, checkpoint_default_drafter, read_config_json
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelFamily:
-    model_type: str
-    config_class: type
-    model_class: type
-    default_drafter: str | None = None
-    draft_hint: str = ""        # what to pass as draft_model= when there is no default drafter
-
+from mtpkit.models.family import DrafterKind, ModelFamily
 
 FAMILIES: dict[str, ModelFamily] = {}
+DRAFTER_KINDS: dict[str, DrafterKind] = {}
 
 
 def register_family(family: ModelFamily) -> None:
     FAMILIES[family.model_type] = family
+
+
+def register_drafter_kind(kind: DrafterKind) -> None:
+    DRAFTER_KINDS[kind.model_type] = kind
 
 
 def _builtin_families() -> None:
@@ -36,12 +33,19 @@ def _builtin_families() -> None:
     if "qwen3_next" not in FAMILIES:
         from mtpkit.models.qwen3_next.config import Qwen3NextConfig
         from mtpkit.models.qwen3_next.model import Qwen3NextForCausalLM
-        register_family(ModelFamily("qwen3_next", Qwen3NextConfig, Qwen3NextForCausalLM, default_drafter="mtp"))
+        register_family(ModelFamily("qwen3_next", Qwen3NextConfig, Qwen3NextForCausalLM, default_drafter="mtp",
+                                    drafter_note="drafts with its MTP head"))
     if "gemma4_text" not in FAMILIES:
         from mtpkit.models.gemma4.config import Gemma4Config
         from mtpkit.models.gemma4.model import Gemma4ForCausalLM
         register_family(ModelFamily("gemma4_text", Gemma4Config, Gemma4ForCausalLM,
                                     draft_hint="the Gemma 4 assistant checkpoint (model_type gemma4_assistant)"))
+    if "gemma4_assistant" not in DRAFTER_KINDS:
+        from mtpkit.models.gemma4.assistant import Gemma4Assistant
+        from mtpkit.models.gemma4.assistant_config import Gemma4AssistantConfig
+        register_drafter_kind(DrafterKind("gemma4_assistant", Gemma4AssistantConfig, Gemma4Assistant,
+                                          drafter="gemma4_assistant", what="a Gemma 4 assistant",
+                                          target="its Gemma 4 target"))
 
 
 def supported_model_types() -> list[str]:
@@ -49,16 +53,29 @@ def supported_model_types() -> list[str]:
     return sorted(FAMILIES)
 
 
+def drafter_kind_of(raw: dict) -> DrafterKind | None:
+    """The drafter kind a config.json dict declares (its model_type), None for any other."""
+    _builtin_families()
+    return DRAFTER_KINDS.get(raw.get("model_type"))
+
+
+def _family_type(raw: dict) -> str | None:
+    # Its model_type, or (a multimodal wrapper whose own type is not a family) its text_config's.
+    mt = raw.get("model_type")
+    if mt not in FAMILIES and isinstance(raw.get("text_config"), dict):
+        mt = raw["text_config"].get("model_type", mt)
+    return mt
+
+
 def family_of(raw: dict, where: str) -> ModelFamily:
     """The family of a config.json dict: its model_type, or (a multimodal wrapper whose own
     type is not a family) its text_config's."""
-    _builtin_families()
-    mt = raw.get("model_type")
-    if mt == "gemma4_assistant":
-        raise ConfigError(f"{where}: model_type 'gemma4_assistant' is a Gemma 4 assistant, a drafter that reads its "
-                          "target's KV and cannot run alone; pass it as draft_model= with its Gemma 4 target")
-    if mt not in FAMILIES and isinstance(raw.get("text_config"), dict):
-        mt = raw["text_config"].get("model_type", mt)
+    kind = drafter_kind_of(raw)
+    if kind is not None:
+        reads = "reads its target's KV and " if kind.reads_target_kv else ""
+        raise ConfigError(f"{where}: model_type {kind.model_type!r} is {kind.what}, a drafter that {reads}cannot run "
+                          f"alone; pass it as draft_model= with {kind.target}")
+    mt = _family_type(raw)
     if mt not in FAMILIES:
         raise ConfigError(f"{where}: model_type {raw.get('model_type')!r} is not supported; supported model "
                           f"types: {', '.join(sorted(FAMILIES))}")
@@ -75,16 +92,18 @@ def read_config(path: Path):
 
 def describe_builtin(name: str) -> str:
     """One line for `mtpkit models`: the name, its model type and the drafter it uses."""
+    _builtin_families()
     path = ASSETS / name
     raw = read_config_json(path)
     mt = raw.get("model_type") or "?"
-    drafter = checkpoint_default_drafter(path)
-    if mt == "gemma4_assistant":
-        use = "a drafter (draft_model=) for its Gemma 4 target"
+    kind, drafter = drafter_kind_of(raw), checkpoint_default_drafter(path)
+    family = FAMILIES.get(_family_type(raw))
+    if kind is not None:
+        use = f"a drafter (draft_model=) for {kind.target}"
     elif drafter:
         use = f"drafts with {drafter} by default"
-    elif mt == "qwen3_next":
-        use = "drafts with its MTP head"
+    elif family is not None and family.default_drafter is not None:
+        use = family.drafter_note or f"drafts with its {family.default_drafter} drafter"
     else:
         use = "no default drafter"
     return f"{name:<24} {mt:<18} {use}"

@@ -25,28 +25,28 @@ from mtpkit.step.cache_spec import CacheSpec
 from mtpkit.errors import CheckpointError, ConfigError
 from mtpkit.models.gemma4.model import Gemma4ForCausalLM
 from mtpkit.models.gemma4.assistant import Gemma4Assistant, KVRead
-from mtpkit.models.gemma4.assistant_config import Gemma4AssistantConfig, compatibility_problems, kv_source_of_type
+from mtpkit.models.gemma4.assistant_config import Gemma4AssistantConfig, compatibility_problems
 from mtpkit.models.gemma4.config import Gemma4Config
 from mtpkit.checkpoint.loader import checkpoint_index
-from mtpkit.models.registry import ModelFamily
+from mtpkit.models.family import DrafterKind
 from mtpkit.shapes import Int, Tensor, checked
 from mtpkit.step.draft import DraftInputs, Drafter
 from mtpkit.speculative.drafter import DraftSetup
 
-# Not a target family (it cannot run alone): what the loader builds the assistant's weights as.
-FAMILY = ModelFamily("gemma4_assistant", Gemma4AssistantConfig, Gemma4Assistant)
 ORDERING = "masked_embedding.token_ordering"
 
 
-def setup(raw: dict, path: Path, target_cfg, num_spec: int, block_size: int, load_format: str) -> DraftSetup:
+def setup(kind: DrafterKind, raw: dict, path: Path, target_cfg, num_spec: int, block_size: int,
+          load_format: str) -> DraftSetup:
     """Every check that the two config.json files decide, in one ConfigError; then
-    (`check_checkpoint`) the assistant checkpoint's headers."""
+    (`check_checkpoint`) the assistant checkpoint's headers. `kind`: the assistant's
+    declaration (models/registry.py), what the loader builds its weights as."""
     where = str(path / "config.json")
     if not isinstance(target_cfg, Gemma4Config):
         raise ConfigError(f"draft model {path} is a Gemma 4 assistant, which drafts only for Gemma 4 targets; the "
                           f"target is model type {getattr(target_cfg, 'model_type', '?')!r}: use a draft model of "
                           "its own family, or its built-in drafter")
-    cfg = Gemma4AssistantConfig.from_dict(raw, where)
+    cfg: Gemma4AssistantConfig = kind.config_class.from_dict(raw, where)
     problems = compatibility_problems(cfg, target_cfg)
     if problems:
         raise ConfigError(f"Gemma 4 assistant {path} cannot draft for this target: " + "; ".join(problems)
@@ -66,11 +66,7 @@ def setup(raw: dict, path: Path, target_cfg, num_spec: int, block_size: int, loa
 
     def build(target: Gemma4ForCausalLM, *, load) -> Drafter:
         # Each layer type reads where the target's source layer of that type keeps its KV.
-        kv_at = {}
-        for kind in set(cfg.text.layer_types):
-            attn = target.layers[kv_source_of_type(target_cfg, kind)].self_attn
-            kv_at[kind] = (attn.kv_group, attn.kv_index)
-        assistant = load(FAMILY, cfg, path, kv_at=kv_at)
+        assistant = load(kind, cfg, path, kv_at=target.kv_sources())
         _check_ordering(assistant, path)
         return AssistantDrafter(target, assistant, num_spec, block_size)
 

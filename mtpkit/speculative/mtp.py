@@ -27,7 +27,7 @@ from mtpkit.speculative.drafter import DraftSetup, draft_pass_metadata, proposal
 
 
 def has_mtp_weights(path: Path) -> bool:
-    return any(n.startswith("mtp.") for n in checkpoint_index(path))
+    return Qwen3NextForCausalLM.holds_mtp_head(checkpoint_index(path))
 
 
 def setup(cfg: Qwen3NextConfig, path: Path, num_spec: int, block_size: int, load_format: str) -> DraftSetup:

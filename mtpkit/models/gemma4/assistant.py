@@ -15,6 +15,7 @@ from mtpkit.kernels.ops import Ops
 from mtpkit.step.cache import CacheTensors
 from mtpkit.parallel import TP
 from mtpkit.shapes import Float, Int, Tensor, checked, shaped_dataclass
+from mtpkit.models.family import FamilyModel
 from mtpkit.models.gemma4.model import GeluMLP, Gemma4RoPE, GemmaRMSNorm
 from mtpkit.models.gemma4.assistant_config import Gemma4AssistantConfig
 from mtpkit.models.gemma4.config import Gemma4Config
@@ -130,7 +131,7 @@ class MaskedEmbedding(nn.Module):
         return torch.where(scores == best, cand, self.vocab).min(dim=-1).values.clamp(max=self.vocab - 1)
 
 
-class Gemma4Assistant(nn.Module):
+class Gemma4Assistant(FamilyModel):
     """The assistant's weights and one draft step. `kv_at`: layer type -> (target KV group,
     index in it) of the target layer its layers of that type read."""
 
@@ -167,15 +168,8 @@ class Gemma4Assistant(nn.Module):
             return param_name
         return "model." + param_name
 
-    def set_weight_layout(self, device: torch.device) -> None:
-        """On CPU matrices that only multiply are column-major (as the target's); the
-        embedding table, whose rows the centroid head gathers, stays row-major."""
-        if device.type != "cpu":
-            return
-        for name, p in self.named_parameters():
-            if name == "embed_tokens" or p.dim() < 2:
-                continue
-            p.data = p.data.t().contiguous().t()
+    # set_weight_layout: FamilyModel's; the embedding table, whose rows the centroid head
+    # gathers, stays row-major (FamilyModel.row_major).
 
     def dummy_value(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         """Random weights: plain-weight norms and layer scalars start at 1; token_ordering is

@@ -13,7 +13,7 @@ import dataclasses
 
 from mtpkit.errors import ConfigError
 from mtpkit.models.config_fields import FLAG, OBJECT, TEXT, Field, count, field_problems, raise_problems
-from mtpkit.models.gemma4.config import SLIDING, Gemma4Config
+from mtpkit.models.gemma4.config import SLIDING, Gemma4Config, kv_source_of_type
 
 
 # The assistant's own config.json fields (its text_config is a Gemma 4 decoder's: FIELDS there).
@@ -86,13 +86,6 @@ class Gemma4AssistantConfig:
                    backbone_hidden_size=hb, use_ordered_embeddings=ordered, num_centroids=int(centroids),
                    centroid_intermediate_top_k=int(top_k),
                    torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or decoder.torch_dtype)
-
-
-def kv_source_of_type(target: Gemma4Config, layer_type: str) -> int | None:
-    """The target layer whose KV an assistant layer of `layer_type` reads: the last layer of
-    that type that computes its own KV (None if there is none)."""
-    own = [j for j in range(target.first_shared_layer) if target.layer_types[j] == layer_type]
-    return own[-1] if own else None
 
 
 def compatibility_problems(a: Gemma4AssistantConfig, t: Gemma4Config) -> list[str]:

@@ -250,3 +250,10 @@ class Gemma4Config:
                               float(p.get("partial_rotary_factor", 1.0)) if kind == "proportional" else 1.0,
                               kind == "proportional")
         return out
+
+
+def kv_source_of_type(target: Gemma4Config, layer_type: str) -> int | None:
+    """The target layer whose KV an assistant layer of `layer_type` reads: the last layer of
+    that type that computes its own KV (None if there is none)."""
+    own = [j for j in range(target.first_shared_layer) if target.layer_types[j] == layer_type]
+    return own[-1] if own else None

@@ -18,7 +18,8 @@ from mtpkit.errors import ConfigError
 from mtpkit.parallel import TP
 from mtpkit.shapes import Float, Int, Tensor, checked
 from mtpkit.kernels import elementwise
-from mtpkit.models.gemma4.config import FULL, Gemma4Config
+from mtpkit.models.family import FamilyModel
+from mtpkit.models.gemma4.config import FULL, Gemma4Config, kv_source_of_type
 from mtpkit.layers.mlp import MLP
 from mtpkit.layers.linear import (ColumnParallelLinear, Linear, MergedColumnParallelLinear, RowParallelLinear,
                                   vocab_parallel_embedding, vocab_parallel_logits)
@@ -327,7 +328,7 @@ class VocabParallelTable(nn.Module):
         return vocab_parallel_embedding(token_ids, self.weight, self.tp)
 
 
-class Gemma4ForCausalLM(nn.Module):
+class Gemma4ForCausalLM(FamilyModel):
     def __init__(self, cfg: Gemma4Config, ops: Ops, tp: TP | None = None):
         super().__init__()
         tp = tp or TP.single()
@@ -336,8 +337,8 @@ class Gemma4ForCausalLM(nn.Module):
         H, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
         Vp = -(-V // tp.size)
         self.embed_tokens = nn.Parameter(torch.empty(Vp, H), requires_grad=False)
-        _, where = kv_groups(cfg, tp.size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i, where[i], tp, ops) for i in range(L)])
+        _, self.layer_kv = kv_groups(cfg, tp.size)     # layer -> (KV group, index in it)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, self.layer_kv[i], tp, ops) for i in range(L)])
         self.norm = GemmaRMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(Vp, H), requires_grad=False)
         self.ple_dim = cfg.hidden_size_per_layer_input
@@ -355,6 +356,13 @@ class Gemma4ForCausalLM(nn.Module):
         """Paged KV groups by (KV heads, head_dim, window); no recurrent state."""
         return CacheSpec(kv=tuple(kv_groups(cfg, tp_size)[0]))
 
+    # ---- what a reader of its KV cache reads (the assistant) ------------------------------
+    def kv_sources(self) -> dict[str, tuple[str, int]]:
+        """Per layer type: (KV group, index in it) of the last layer of that type that
+        computes its own KV (types without one are absent)."""
+        sources = {kind: kv_source_of_type(self.cfg, kind) for kind in sorted(set(self.cfg.layer_types))}
+        return {kind: self.layer_kv[src] for kind, src in sources.items() if src is not None}
+
     # ---- checkpoint names --------------------------------------------------------------
     def checkpoint_name(self, param_name: str) -> str:
         if param_name.startswith("lm_head"):
@@ -365,18 +373,14 @@ class Gemma4ForCausalLM(nn.Module):
         """The multimodal checkpoint's vision and audio towers: this text-only decoder skips them."""
         return TOWERS if self.cfg.multimodal else ()
 
+    def row_major(self, name: str) -> bool:
+        """Both embedding tables (the main one and the per-layer one), gathered by rows."""
+        return name == "embed_tokens" or name.startswith("embed_tokens_per_layer")
+
     def set_weight_layout(self, device: torch.device) -> None:
-        """On CPU every matrix that only multiplies is stored column-major (as Qwen3-Next's,
-        see there); embedding tables, gathered by rows, stay row-major. Also fixes the
-        embedding scales for the loaded dtype."""
+        """FamilyModel's layout, after fixing the embedding scales for the loaded dtype."""
         self._rounded_scales(self.embed_tokens.dtype)
-        if device.type != "cpu":
-            return
-        for name, p in self.named_parameters():
-            if name == "embed_tokens" or name.startswith("embed_tokens_per_layer") or p.dim() < 2:
-                continue
-            flat = p.data.reshape(-1, p.shape[-1])
-            p.data = flat.t().contiguous().t().view(p.shape)
+        super().set_weight_layout(device)
 
     @staticmethod
     def dummy_value(name: str, shape: tuple[int, ...]) -> torch.Tensor | None:

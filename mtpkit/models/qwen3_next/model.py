@@ -21,11 +21,13 @@ from mtpkit.layers.linear import (Linear, MergedColumnParallelLinear, RowParalle
                                   vocab_parallel_logits)
 from mtpkit.layers.rope import PartialRoPE
 from mtpkit.layers.moe import SparseMoE, fused_expert_aliases
+from mtpkit.models.family import FamilyModel
 from mtpkit.models.qwen3_next.config import FULL, Qwen3NextConfig
 from mtpkit.checkpoint.weights import WeightSpec, narrow, shard_range
 
 Metadata = PrefillMetadata | UniformMetadata
 KV_GROUP, MTP_KV_GROUP, STATE_GROUP = "attention", "mtp", "gdn"
+MTP_PREFIX = "mtp."     # the MTP head's checkpoint names
 
 
 def _attention_kv_group(cfg: Qwen3NextConfig, name: str, num_layers: int, tp_size: int) -> KVGroup:
@@ -324,7 +326,7 @@ class MTPModule(nn.Module):
         return self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1))
 
 
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(FamilyModel):
     def __init__(self, cfg: Qwen3NextConfig, ops: Ops, tp: TP | None = None, with_mtp: bool = False):
         super().__init__()
         tp = tp or TP.single()
@@ -368,28 +370,24 @@ class Qwen3NextForCausalLM(nn.Module):
     # ---- checkpoint names --------------------------------------------------------------
     @staticmethod
     def checkpoint_name(param_name: str) -> str:
-        return param_name if param_name.startswith(("mtp.", "lm_head")) else "model." + param_name
+        return param_name if param_name.startswith((MTP_PREFIX, "lm_head")) else "model." + param_name
 
     def ignored_checkpoint_prefixes(self) -> tuple[str, ...]:
         """Checkpoint tensors this model leaves unread: the MTP head when it is not built."""
-        return ("mtp.",) if self.mtp is None else ()
+        return (MTP_PREFIX,) if self.mtp is None else ()
+
+    @staticmethod
+    def holds_mtp_head(checkpoint_names) -> bool:
+        """Whether a checkpoint with these tensor names ships the MTP head (headers alone)."""
+        return any(n.startswith(MTP_PREFIX) for n in checkpoint_names)
 
     def checkpoint_aliases(self, shapes: dict) -> dict:
         return fused_expert_aliases(shapes, self.cfg.num_experts, self.cfg.moe_intermediate_size)
 
-    def set_weight_layout(self, device: torch.device) -> None:
-        """On CPU, store every matrix that only multiplies (x @ W^T) column-major: BLAS's
-        small-batch products read W^T contiguously, which is faster at decode sizes.
-        Values and shapes are unchanged; the embedding, gathered by rows, stays row-major, and
-        the experts' [local, 2I, hidden] blocks are laid out as their [local * 2I, hidden]
-        matrix (what the dense MoE path multiplies)."""
-        if device.type != "cpu":
-            return
-        for name, p in self.named_parameters():
-            if name == "embed_tokens" or name.endswith("conv_weight") or p.dim() < 2:
-                continue
-            flat = p.data.reshape(-1, p.shape[-1])
-            p.data = flat.t().contiguous().t().view(p.shape)
+    def row_major(self, name: str) -> bool:
+        """The embedding (gathered by rows) and the GDN conv weights (per-channel taps, no
+        matmul operand) stay row-major (set_weight_layout)."""
+        return name == "embed_tokens" or name.endswith("conv_weight")
 
     @checked
     def embed(self, token_ids: Int[Tensor, "num_tokens"]) -> Float[Tensor, "num_tokens hidden"]:
