@@ -74,7 +74,7 @@ def test_long_generation_in_a_small_sliding_pool(dense, eager):
     keep = LLM(path, recycle_sliding_kv=False, max_num_seqs=2, enforce_eager=True, **BASE)
     ref = [o.token_ids for o in keep.generate(prompts, params)]
     llm = LLM(path, max_num_seqs=2, enforce_eager=eager, **BASE)
-    assert [p.name for p in llm.cache_spec.pools] == ["full", POOL]
+    assert [p.name for p in llm.engine.cache_spec.pools] == ["full", POOL]
     sliding = llm.kv_pools[POOL]
     context = blocks_for(12 + 150, BLOCK)
     assert sliding.num_blocks - 1 < context, "the sliding pool was meant to be too small for one context"
