@@ -120,7 +120,7 @@ def test_speculation_preemption_and_score_with_recycling(dense):
     assert spec.stats.mean_acceptance_length > 2.5
     assert freed and spec.kv_pools.num_free == spec.kv_pools.capacity
     assert {g for g, i in spec.cache.pool_index.items() if i == 1} == {
-        g.name for g in spec.cache_spec.kv if g.sliding_window == W}      # the draft's sliding group too
+        g.name for g in spec.engine.cache_spec.kv if g.sliding_window == W}      # the draft's sliding group too
 
     ids = O.random_prompt(150, 128, seed=99)
     kept, recycled = keep.score(ids), LLM(path, max_num_seqs=1, **BASE)
