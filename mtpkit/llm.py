@@ -7,6 +7,7 @@ when they are added.
 
 import contextlib
 import dataclasses
+import inspect
 import numbers
 import operator
 from collections.abc import Iterator, Sequence
@@ -76,6 +77,10 @@ class LLM:
         self._chat_template, self._special_tokens = load_chat_template(ckpt.path), special_tokens(ckpt.path)
         self.engine = build_engine(ckpt, args)
         self.eos_token_ids = self.generation_defaults.eos_token_ids
+
+    # help(LLM) shows what each keyword does: the arguments' documentation lives with them.
+    if __init__.__doc__ and EngineArgs.__doc__:   # (None under python -OO)
+        __init__.__doc__ = inspect.cleandoc(__init__.__doc__) + "\n\n" + inspect.cleandoc(EngineArgs.__doc__)
 
     # ---- the engine's state, read through the facade ---------------------------------
     engine_config = property(lambda self: self.engine.engine_config)
