@@ -99,7 +99,7 @@ def check_real_shapes(path, args) -> bool:
             tg, _ = run(graph, prompts_for(b), args.max_tokens)
             same = te == tg
             ok &= same
-            n = graph.capture_plan.dispatch(b)
+            n = graph.engine.capture_plan.dispatch(b)
             print(f"num_spec={k} batch={b:>2} (graph {n}): same tokens {same}"
                   + ("" if same else f"; first difference {first_difference(te, tg)}"), flush=True)
         print(f"  num_spec={k}: build + capture {capture_s:.1f} s; {graph.runner.graphs.describe()}; "

@@ -3,7 +3,7 @@ and without sliding-window block recycling (engine/kv_pools.py).
 
 The numbers are the sizes of the tensors the engine allocates: the model's cache spec from its
 config.json (tests/gemma4_shapes.py: real layer counts and widths), the pools sized as LLM sizes
-them (`kv_pools.pool_sizes`, max_model_len = the context), allocated by `allocate_cache` on the
+them (`pool_sizing.kv_pool_sizes`, max_model_len = the context), allocated by `allocate_cache` on the
 meta device (shapes only: no memory is touched, so the real layer counts fit anywhere). bf16,
 blocks of 16 tokens, no drafter (num_spec 0) and with the Gemma 4 assistant's read-back.
 
@@ -28,7 +28,7 @@ import gemma4_shapes  # noqa: E402
 
 from mtpkit.config import EngineConfig  # noqa: E402
 from mtpkit.step.cache import allocate_cache  # noqa: E402
-from mtpkit.engine.kv_pools import pool_sizes  # noqa: E402
+from mtpkit.engine.pool_sizing import kv_pool_sizes  # noqa: E402
 from mtpkit.models.gemma4.model import Gemma4ForCausalLM  # noqa: E402
 from mtpkit.models.gemma4.config import Gemma4Config  # noqa: E402
 
@@ -43,9 +43,7 @@ def kv_bytes(raw: dict, *, context: int, recycle: bool, max_num_seqs: int = 1, n
     spec = Gemma4ForCausalLM.cache_spec(cfg, num_spec=num_spec)
     ecfg = EngineConfig(num_spec=num_spec, kv_read_back=kv_read_back, max_num_seqs=max_num_seqs,
                         max_model_len=context, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens)
-    sizes = pool_sizes(spec, full_blocks=1 + max_num_seqs * ecfg.max_blocks, max_num_seqs=max_num_seqs,
-                       max_blocks=ecfg.max_blocks, block_size=block_size, span=ecfg.verify_span,
-                       max_num_batched_tokens=max_num_batched_tokens, read_back=kv_read_back, recycle=recycle)
+    sizes = kv_pool_sizes(spec, ecfg, full_blocks=1 + max_num_seqs * ecfg.max_blocks, recycle=recycle)
     cache = allocate_cache(spec, num_blocks=sizes, num_slots=0, block_size=block_size, dtype=dtype,
                            device=torch.device("meta"))
     out = {p.name: 0 for p in spec.pools}

@@ -7,6 +7,8 @@ import torch
 
 from mtpkit.errors import ConfigError
 
+# Drafts per verify step: LLM(num_spec=) and the graph capture plan share this bound.
+MAX_NUM_SPEC = 8
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float64": torch.float64, "fp64": torch.float64,

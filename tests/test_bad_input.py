@@ -315,9 +315,10 @@ def test_unsupported_config_values(case, ckpt, monkeypatch):
         LLM(ckpt, **kw)
     except Exception as e:  # noqa: BLE001 - the type is what is checked
         err = e
-    # KNOWN MTPKIT BUG (the *_float / *_str cases): LLM.__init__ (mtpkit/llm.py) checks only the
-    # ranges of max_model_len / block_size / max_num_seqs / max_num_batched_tokens, not that they
-    # are ints, so a float or str fails later with a TypeError (torch.zeros size, '<' on str).
+    # KNOWN MTPKIT BUG (the *_float / *_str cases): the engine arguments' checks
+    # (mtpkit/engine/args.py) checked only the ranges of max_model_len / block_size / max_num_seqs /
+    # max_num_batched_tokens, not that they are ints, so a float or str fails later with a TypeError
+    # (torch.zeros size, '<' on str).
     assert isinstance(err, ConfigError), (
         f"{case}: expected a ConfigError naming the field, got {type(err).__name__}: {err}")
     _check_words(str(err), words)

@@ -74,7 +74,7 @@ def test_long_generation_in_a_small_sliding_pool(dense, eager):
     keep = LLM(path, recycle_sliding_kv=False, max_num_seqs=2, enforce_eager=True, **BASE)
     ref = [o.token_ids for o in keep.generate(prompts, params)]
     llm = LLM(path, max_num_seqs=2, enforce_eager=eager, **BASE)
-    assert [p.name for p in llm.cache_spec.pools] == ["full", POOL]
+    assert [p.name for p in llm.engine.cache_spec.pools] == ["full", POOL]
     sliding = llm.kv_pools[POOL]
     context = blocks_for(12 + 150, BLOCK)
     assert sliding.num_blocks - 1 < context, "the sliding pool was meant to be too small for one context"
@@ -120,7 +120,7 @@ def test_speculation_preemption_and_score_with_recycling(dense):
     assert spec.stats.mean_acceptance_length > 2.5
     assert freed and spec.kv_pools.num_free == spec.kv_pools.capacity
     assert {g for g, i in spec.cache.pool_index.items() if i == 1} == {
-        g.name for g in spec.cache_spec.kv if g.sliding_window == W}      # the draft's sliding group too
+        g.name for g in spec.engine.cache_spec.kv if g.sliding_window == W}      # the draft's sliding group too
 
     ids = O.random_prompt(150, 128, seed=99)
     kept, recycled = keep.score(ids), LLM(path, max_num_seqs=1, **BASE)

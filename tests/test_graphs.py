@@ -57,7 +57,7 @@ def test_graph_path_equals_eager(ckdir, k, n, padded, trace_after):
     graph, llm, steps = _run(path, prompts, num_spec=k, max_num_seqs=8,
                              trace_after=10**9 if trace_after is None else trace_after)
     assert graph == eager
-    assert llm.runner.graphs is not None and llm.capture_plan.sizes == (1, 2, 4, 8)
+    assert llm.runner.graphs is not None and llm.engine.capture_plan.sizes == (1, 2, 4, 8)
     traced = [key for key in llm.runner.graphs.verify_graphs]
     # debug mode calls the bodies on every step (each step's shapes checked): nothing traced
     assert bool(traced) == (trace_after is not None and not is_debug()), traced
@@ -66,10 +66,10 @@ def test_graph_path_equals_eager(ckdir, k, n, padded, trace_after):
     # rows padded like a decode step.
     proposals = list(llm.runner.graphs.prefill_graphs)
     assert bool(proposals) == (trace_after == 0 and k >= 1 and not is_debug()), proposals
-    assert all(t >= 16 and t & (t - 1) == 0 and n in llm.capture_plan.sizes for t, n, _ in proposals)
+    assert all(t >= 16 and t & (t - 1) == 0 and n in llm.engine.capture_plan.sizes for t, n, _ in proposals)
     verify = [s for s in steps if s[0] == "verify"]
     assert (n, padded) in [(r, p) for _, r, p in verify], "the step count needing padding must occur"
-    assert all(p == llm.capture_plan.dispatch(r) for _, r, p in verify)
+    assert all(p == llm.engine.capture_plan.dispatch(r) for _, r, p in verify)
 
 
 def test_failed_trace_falls_back_to_direct_calls(ckdir, monkeypatch):
@@ -170,7 +170,7 @@ def test_regression_1_ragged_capture_sizes_fail_fast_with_corrected_list(ckdir, 
     assert "[1, 2, 4, 8, 16, 32]" in msg and "bundle 3" in msg and "graph_sizes=" in msg
     monkeypatch.undo()
     llm = LLM(path, num_spec=2, max_num_seqs=32, graph_sizes=[1, 2, 4, 8, 16, 32], **F64)
-    assert llm.capture_plan.token_sizes == (3, 6, 12, 24, 48, 96)
+    assert llm.engine.capture_plan.token_sizes == (3, 6, 12, 24, 48, 96)
     out = llm.generate([[1, 2, 3]] * 3, SamplingParams(max_tokens=5, ignore_eos=True))
     assert all(len(o.token_ids) == 5 for o in out)
 
@@ -236,7 +236,7 @@ def test_regression_6_no_offset_zero_step_after_spec(ckdir):
 def test_regression_7_max_capture_size_not_truncated(ckdir):
     path = _ck(str(ckdir))
     llm = LLM(path, num_spec=1, max_num_seqs=13, graph_sizes=[1, 4], **F64)
-    assert llm.capture_plan.sizes[-1] == 13
+    assert llm.engine.capture_plan.sizes[-1] == 13
     with pytest.raises(ConfigError, match="above max_num_seqs"):
         LLM(path, num_spec=1, max_num_seqs=8, graph_sizes=[1, 16], **F64)
 

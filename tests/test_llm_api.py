@@ -115,3 +115,16 @@ def test_chunked_prefills_that_cannot_all_fit_make_progress(ck):
                   num_blocks=1 + max_blocks + max_blocks // 2)
         outs = llm.generate(prompts, sp)
         assert [o.token_ids for o in outs] == ref
+
+
+def test_constructor_keywords_are_the_engine_arguments():
+    """LLM(...) keeps its own signature (help(), editors); every keyword is an EngineArgs field
+    with the same default, so the facade and an engine built directly agree."""
+    import dataclasses
+    import inspect
+
+    from mtpkit.engine.args import EngineArgs
+    params = list(inspect.signature(LLM.__init__).parameters.values())[2:]    # after self, model
+    fields = dataclasses.fields(EngineArgs)
+    assert [p.name for p in params] == [f.name for f in fields]
+    assert {p.name: p.default for p in params} == {f.name: f.default for f in fields}

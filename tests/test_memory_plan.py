@@ -8,6 +8,7 @@ import torch
 
 from mtpkit import LLM, SamplingParams
 from mtpkit.engine import memory_plan
+from mtpkit.engine.build import resize_to_measured
 from mtpkit.errors import ConfigError
 from mtpkit.checkpoint import loader
 from test_model_family import F64, toy  # noqa: F401  (the toy family and its checkpoints)
@@ -169,11 +170,11 @@ def test_profile_run_resizes_the_kv_pool(ckpt, monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 1000)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 1000 + peak)
     scored = []
-    orig_score = llm.score
-    monkeypatch.setattr(llm, "score", lambda ids: scored.append(len(ids)) or orig_score(ids))
-    llm._meta = [memory_plan.meta_model(*_family(ckpt), path=ckpt, load_format="safetensors",
-                                        device=torch.device("cpu"), attn_backend=None, tp=_tp(), with_mtp=True)]
-    llm._resize_pools((budget, f"memory_budget={budget}"))
+    orig_score = llm.engine.score
+    monkeypatch.setattr(llm.engine, "score", lambda ids: scored.append(len(ids)) or orig_score(ids))
+    meta = [memory_plan.meta_model(*_family(ckpt), path=ckpt, load_format="safetensors",
+                                   device=torch.device("cpu"), attn_backend=None, tp=_tp(), with_mtp=True)]
+    resize_to_measured(llm.engine, (budget, f"memory_budget={budget}"), meta)
     plan = llm.memory_plan
     assert scored == [64] and "reset_peak_memory_stats" in calls    # one prefill of max_num_batched_tokens
     assert plan.activation_source == "measured" and plan.activation_bytes == peak

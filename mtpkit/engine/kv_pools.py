@@ -17,9 +17,8 @@ then bounded by its window, the step's own tokens and the read-back, whatever th
 
 import dataclasses
 
-from mtpkit.errors import ConfigError
 from mtpkit.engine.allocators import BlockAllocator
-from mtpkit.step.cache_spec import CacheSpec, KVPool
+from mtpkit.step.cache_spec import KVPool
 
 
 @dataclasses.dataclass
@@ -125,40 +124,3 @@ class KVPools:
     def capacity(self) -> dict[str, int]:
         """Blocks each pool can lend (all but the null block)."""
         return {name: a.num_blocks - 1 for name, a in self.allocators.items()}
-
-
-def pool_sizes(spec: CacheSpec, *, full_blocks: int | None, max_num_seqs: int, max_blocks: int, block_size: int,
-               span: int, max_num_batched_tokens: int, read_back: int, recycle: bool = True) -> dict[str, int]:
-    """Blocks of every pool (the null block included). The full pool: `full_blocks`. A sliding
-    pool: every running request's window and verify span, plus the largest prefill step's
-    tokens; never more than the full context of every request would take (without `recycle`:
-    `full_blocks`, as the full pool)."""
-    sizes = {}
-    for pool in spec.pools:
-        if pool.sliding_window is None or not recycle:
-            if full_blocks is None:
-                raise ValueError("the full pool's size is needed")
-            sizes[pool.name] = full_blocks
-            continue
-        w = pool.sliding_window
-        steady = max_num_seqs * window_demand(w, read_back, span, block_size)
-        chunk = blocks_for(max_num_batched_tokens, block_size)
-        sizes[pool.name] = 1 + min(max_num_seqs * max_blocks, steady + chunk)
-    return sizes
-
-
-def check_pool_sizes(spec: CacheSpec, sizes: dict[str, int], *, max_blocks: int, block_size: int, span: int,
-                     max_num_batched_tokens: int, read_back: int, max_model_len: int, recycle: bool = True) -> None:
-    """Every pool holds one request at max_model_len, or a ConfigError saying what to give."""
-    for pool in spec.pools:
-        n = sizes[pool.name]
-        if pool.sliding_window is None or not recycle:
-            need = max_blocks
-        else:
-            need = min(max_blocks, window_demand(pool.sliding_window, read_back,
-                                                 max(span, max_num_batched_tokens), block_size))
-        if n < 1 + need:
-            what = "num_blocks" if pool.sliding_window is None else f"the {pool.name} pool"
-            raise ConfigError(f"{what}={n} cannot hold one sequence of max_model_len={max_model_len} (needs "
-                              f"{need} blocks of {block_size} plus the null block); give more KV memory or lower "
-                              "max_model_len")

@@ -1,4 +1,4 @@
-"""Pool sizes from a memory budget, as serving engines size them.
+"""A memory budget and what takes it, as serving engines count them.
 
 The budget is what the engine may use on its device: `memory_budget` bytes, or on CUDA
 `gpu_memory_utilization` x the device's memory less what others already hold there. From it
@@ -6,10 +6,10 @@ come, in order: the weights (computed before any is read: the model built on the
 every parameter at its rank's shape and its loaded dtype, kept FP8 weights at one byte each
 plus their fp32 scales and row indices), the activations of the largest step (estimated from the config first; on
 CUDA then measured by a profile run: a prefill of max_num_batched_tokens tokens), and the
-caches: the state pool slots for max_num_seqs requests (`bundle` each, the null slot), the
-sliding-window KV pools at the sizes their windows bound (engine/kv_pools.py), the
-full-attention KV pool every byte left, at least one request at max_model_len (shorter
-requests share it).
+caches, sized from what is left by engine/pool_sizing.py (plan_pools): the state pool slots for
+max_num_seqs requests (`bundle` each, the null slot), the sliding-window KV pools at the sizes
+their windows bound, the full-attention KV pool every byte left, at least one request at
+max_model_len (shorter requests share it).
 Too little for one request is a ConfigError with the numbers, raised before any weight is
 read. CUDA-graph memory is not measured (graphs are captured lazily, after the plan).
 """
@@ -19,12 +19,11 @@ import dataclasses
 import torch
 
 from mtpkit.errors import ConfigError
-from mtpkit.step.cache_spec import CacheSpec
 
 GiB = 1 << 30
 
 
-def _gib(n: int) -> str:
+def gib(n: int) -> str:
     """A byte count for people: GiB, MiB or bytes."""
     if abs(n) >= GiB:
         return f"{n / GiB:.2f} GiB"
@@ -52,52 +51,15 @@ class MemoryPlan:
                 + (self.num_slots or 0) * self.bytes_per_slot)
 
     def summary(self) -> str:
-        state = (f", {self.num_slots} state slots ({_gib(self.num_slots * self.bytes_per_slot)})"
+        state = (f", {self.num_slots} state slots ({gib(self.num_slots * self.bytes_per_slot)})"
                  if self.num_slots is not None else "")
         sliding = "".join(f", {n} {name} blocks" for name, n in self.sliding_blocks.items())
-        sliding += f" ({_gib(self.sliding_bytes)})" if self.sliding_blocks else ""
-        return (f"mtpkit memory plan: budget {_gib(self.budget)} = weights {_gib(self.weight_bytes)} + "
-                f"activations {_gib(self.activation_bytes)} ({self.activation_source}) + caches "
-                f"{_gib(self.cache_bytes)}: {self.num_blocks} KV blocks "
-                f"({_gib(self.num_blocks * self.bytes_per_block)}){sliding}{state}; at most {self.max_concurrent} "
+        sliding += f" ({gib(self.sliding_bytes)})" if self.sliding_blocks else ""
+        return (f"mtpkit memory plan: budget {gib(self.budget)} = weights {gib(self.weight_bytes)} + "
+                f"activations {gib(self.activation_bytes)} ({self.activation_source}) + caches "
+                f"{gib(self.cache_bytes)}: {self.num_blocks} KV blocks "
+                f"({gib(self.num_blocks * self.bytes_per_block)}){sliding}{state}; at most {self.max_concurrent} "
                 f"concurrent requests at max_model_len={self.max_model_len}")
-
-
-def plan_pools(*, budget: int, weight_bytes: int, activation_bytes: int, activation_source: str,
-               spec: CacheSpec, block_size: int, dtype: torch.dtype, max_blocks: int, bundle: int,
-               max_num_seqs: int, max_model_len: int, source: str,
-               sliding_blocks: dict[str, int] | None = None) -> MemoryPlan:
-    """The pools' sizes; `source` names the budget in the error (e.g. "memory_budget=...").
-    `sliding_blocks`: the sliding-window pools' sizes (kv_pools.pool_sizes), fixed here."""
-    sliding_blocks = sliding_blocks or {}
-    pools = {p.name: p for p in spec.pools}
-    bpb = pools["full"].bytes_per_block(block_size, dtype) if "full" in pools else 0
-    sliding = sum(n * pools[name].bytes_per_block(block_size, dtype) for name, n in sliding_blocks.items())
-    bps = spec.bytes_per_slot(dtype) if spec.has_state else 0
-    # The state pool holds every request the scheduler may run (max_num_seqs: a request owns
-    # its slots while running, whatever its length), the sliding pools what their windows
-    # bound; the full KV pool at least one request at max_model_len plus the null block, and
-    # every byte left.
-    num_slots = 1 + max_num_seqs * bundle if spec.has_state else None
-    state = (num_slots or 0) * bps + sliding
-    kv_min = (1 + max_blocks) * bpb
-    left = budget - weight_bytes - activation_bytes - state
-    if left < kv_min:
-        need = weight_bytes + activation_bytes + state + kv_min
-        raise ConfigError(
-            f"the model cannot fit in {source}: budget {_gib(budget)}, but weights need {_gib(weight_bytes)}, "
-            f"activations {_gib(activation_bytes)} ({activation_source}), "
-            + (f"the state pool {_gib(state - sliding)} ({num_slots} slots of {bps} B: bundle={bundle} per request "
-               f"for max_num_seqs={max_num_seqs}, and the null slot), " if num_slots else "")
-            + (f"the sliding-window KV pools {_gib(sliding)} ({sliding_blocks} blocks), " if sliding_blocks else "")
-            + f"the KV pool for one request at max_model_len={max_model_len} "
-            f"{_gib(kv_min)} ({1 + max_blocks} blocks of {bpb} B, the null block included): {_gib(need)} in all, "
-            f"{_gib(need - budget)} short. Give a larger budget, or lower max_model_len, max_num_seqs or "
-            "max_num_batched_tokens, or use an FP8 checkpoint or tensor parallelism")
-    num_blocks = left // bpb if bpb else 2
-    max_concurrent = min(max_num_seqs, (num_blocks - 1) // max_blocks) if bpb else max_num_seqs
-    return MemoryPlan(budget, weight_bytes, activation_bytes, activation_source, num_blocks, num_slots,
-                      bpb, bps, max_concurrent, max_model_len, sliding, dict(sliding_blocks))
 
 
 def budget_of(device: torch.device, memory_budget: int | None, gpu_memory_utilization: float | None,
@@ -123,8 +85,8 @@ def budget_of(device: torch.device, memory_budget: int | None, gpu_memory_utiliz
                           "memory_budget=<bytes> (weights, activations and caches)")
     free, total = torch.cuda.mem_get_info(device)
     used = total - free  # other processes, and this one's CUDA context
-    return int(u * total) - used, (f"gpu_memory_utilization={u} ({_gib(int(u * total))} of {_gib(total)}, "
-                                   f"less {_gib(used)} already in use on {device})")
+    return int(u * total) - used, (f"gpu_memory_utilization={u} ({gib(int(u * total))} of {gib(total)}, "
+                                   f"less {gib(used)} already in use on {device})")
 
 
 def meta_model(family, cfg, *, path, load_format: str, device: torch.device, attn_backend, tp,

@@ -13,9 +13,8 @@ import dataclasses
 import numbers
 from collections.abc import Sequence
 
+from mtpkit.config import MAX_NUM_SPEC
 from mtpkit.errors import ConfigError
-
-MAX_NUM_SPEC = 8
 
 
 def _is_int(value: object) -> bool:

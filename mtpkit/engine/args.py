@@ -1,0 +1,96 @@
+"""The engine's arguments (every `LLM(...)` keyword) and their checks.
+
+The checks here need no checkpoint; those that need its config.json (max_model_len, tensor
+parallelism, the drafter) run in engine/build.py, still before any weight is read.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+from mtpkit.config import MAX_NUM_SPEC
+from mtpkit.errors import ConfigError
+
+LOAD_FORMATS = ("safetensors", "dummy")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineArgs:
+    """draft_model: a checkpoint directory (or built-in name) that drafts num_spec tokens
+    per step; None uses the model family's own drafter (Qwen3-Next: its MTP head).
+    tensor_parallel_size: ranks the model is split over; None means every process of
+    the launched job (`accelerate launch` / torchrun), 1 when not launched. It must divide
+    the launched world size: a smaller size makes world / size replicas of consecutive
+    ranks (parallel.replica_ranks), each its own group that runs its own requests. Every
+    rank of a group runs the engine and returns the same outputs.
+    load_format "dummy": random weights from config.json alone (benchmarks, GPU checks).
+    num_threads (CPU): torch's intra-op threads. None: 1 for models under 50M parameters,
+    whose ops are too small to gain from threads and which slow down many times over when
+    another process holds a core (threads wait on each other at every op); larger models keep
+    torch's default. It is process-wide (torch.set_num_threads).
+    gpu_memory_utilization (CUDA; share of the device's memory) or memory_budget (bytes, any
+    device): size the KV and state pools from what is left after the weights and a step's
+    activations (engine/memory_plan.py), print the plan (llm.memory_plan), and refuse a model
+    that cannot fit before any weight is read.
+    keep_fp8 (FP8 checkpoints): keep the FP8 weights with their block scales and run the
+    block-scaled FP8 matmul (Triton on CUDA, its torch reference elsewhere); False
+    dequantizes them to `dtype` at load. None: kept on CUDA, dequantized elsewhere.
+    recycle_sliding_kv: a sliding-window layer group keeps only the KV blocks its window (and
+    a drafter) can still read and returns the rest as a request advances (engine/kv_pools.py),
+    so its memory is bounded by the window; False keeps every block for the whole context
+    (comparisons and memory measurements).
+    num_blocks / kv_cache_memory size the full-attention KV pool, num_state_slots /
+    state_cache_memory the recurrent-state pool (engine/pool_sizing.py).
+    """
+
+    num_spec: int = 0
+    draft_model: str | Path | None = None
+    max_num_seqs: int = 8
+    max_model_len: int | None = None
+    dtype: object = "auto"
+    device: object = None
+    enforce_eager: bool = False
+    seed: int = 0
+    block_size: int = 16
+    num_blocks: int | None = None
+    num_state_slots: int | None = None
+    kv_cache_memory: int | None = None
+    state_cache_memory: int | None = None
+    gpu_memory_utilization: float | None = None
+    memory_budget: int | None = None
+    max_num_batched_tokens: int = 2048
+    graph_sizes: Sequence[int] | None = None
+    cudagraph_capture_sizes: Sequence[int] | None = None
+    attn_backend: str | None = None
+    tensor_parallel_size: int | None = None
+    load_format: str = "safetensors"
+    num_threads: int | None = None
+    keep_fp8: bool | None = None
+    recycle_sliding_kv: bool = True
+
+
+def check_load_format(load_format: str) -> None:
+    """First of all: it decides whether weights are read at all."""
+    if load_format not in LOAD_FORMATS:
+        raise ConfigError(f"load_format={load_format!r} must be 'safetensors' or 'dummy'")
+
+
+def check_args(a: EngineArgs) -> None:
+    """Types and ranges of the arguments that need no checkpoint (ConfigError)."""
+    if not isinstance(a.recycle_sliding_kv, bool):
+        raise ConfigError(f"recycle_sliding_kv={a.recycle_sliding_kv!r} must be True or False")
+    for name in ("max_num_seqs", "block_size", "max_num_batched_tokens", "seed", "max_model_len", "num_blocks",
+                 "num_state_slots", "kv_cache_memory", "state_cache_memory", "num_threads", "memory_budget"):
+        v = getattr(a, name)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            raise ConfigError(f"{name}={v!r} must be an int")
+    if a.keep_fp8 is not None and not isinstance(a.keep_fp8, bool):
+        raise ConfigError(f"keep_fp8={a.keep_fp8!r} must be True, False or None (None: keep FP8 weights on CUDA)")
+    if a.num_threads is not None and a.num_threads < 1:
+        raise ConfigError(f"num_threads={a.num_threads} must be >= 1")
+    n = a.num_spec
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_NUM_SPEC:
+        raise ConfigError(f"num_spec={n!r} must be an int in 0..{MAX_NUM_SPEC}")
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(a, name) < 1:
+            raise ConfigError(f"{name}={getattr(a, name)} must be >= 1")

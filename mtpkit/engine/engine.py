@@ -1,0 +1,145 @@
+"""The engine: a loaded model and its drafter, the caches they declared, the pools lending them,
+the scheduler and the runner.
+
+It takes requests already validated (the facade, mtpkit/llm.py, checks prompts and sampling
+values against the tokenizer and max_model_len), runs steps, aborts, and scores a sequence
+through its own prefill path. engine/build.py builds one from a checkpoint.
+"""
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from mtpkit.config import EngineConfig
+from mtpkit.engine.allocators import SlotAllocator
+from mtpkit.engine.kv_pools import KVPools
+from mtpkit.engine.memory_plan import MemoryPlan
+from mtpkit.engine.pool_sizing import PoolSizes
+from mtpkit.engine.request import Request, SpecStats
+from mtpkit.engine.runner import ModelRunner
+from mtpkit.engine.scheduler import Scheduler
+from mtpkit.errors import InputError
+from mtpkit.graphs.plan import CapturePlan
+from mtpkit.parallel import TP
+from mtpkit.sampling.params import SamplingParams
+from mtpkit.step.cache import CacheTensors, allocate_cache
+from mtpkit.step.cache_spec import CacheSpec
+from mtpkit.step.metadata import PrefillChunk
+from mtpkit.text.stop_strings import StopStringMatcher
+
+
+class Engine:
+    def __init__(self, *, model: torch.nn.Module, drafter, draft, family, model_config, tp: TP, device: torch.device,
+                 dtype: torch.dtype, engine_config: EngineConfig, cache_spec: CacheSpec, capture_plan: CapturePlan,
+                 cache: CacheTensors, pool_sizes: PoolSizes, memory_plan: MemoryPlan | None, enforce_eager: bool,
+                 recycle_sliding_kv: bool, seed: int):
+        """`draft`: the drafter's set-up (speculative.setup), `drafter` the one it built; both
+        None without speculation. `enforce_eager` False: verify steps replay `capture_plan`'s
+        graphs."""
+        self.model, self.drafter, self.draft, self.tp = model, drafter, draft, tp
+        self.family, self.model_config = family, model_config
+        self.device, self.dtype, self.engine_config, self.cache_spec = device, dtype, engine_config, cache_spec
+        self.capture_plan, self.memory_plan, self.seed = capture_plan, memory_plan, seed
+        self.enforce_eager, self.recycle_sliding_kv = enforce_eager, recycle_sliding_kv
+        self.stats = SpecStats(num_spec=engine_config.num_spec)
+        self._ids = itertools.count()
+        self._assemble(cache, pool_sizes)
+
+    def _assemble(self, cache: CacheTensors, sizes: PoolSizes) -> None:
+        """The pools over `cache` at `sizes`, the scheduler lending them, the runner on them."""
+        ecfg = self.engine_config
+        self.cache, self.kv_pool_sizes = cache, sizes.kv
+        self.kv_pools = KVPools(self.cache_spec.pools, sizes.kv, block_size=ecfg.block_size,
+                                max_positions=ecfg.max_positions, read_back=ecfg.kv_read_back,
+                                recycle=self.recycle_sliding_kv)
+        self.slots = SlotAllocator(sizes.state_slots, ecfg.bundle)
+        dispatch = None if self.enforce_eager else self.capture_plan.dispatch
+        self.scheduler = Scheduler(ecfg, self.kv_pools, self.slots, dispatch)
+        self.runner = ModelRunner(self.model, self.drafter, self.cache, ecfg, self.device,
+                                  None if self.enforce_eager else self.capture_plan)
+
+    def reallocate(self, sizes: PoolSizes, free=lambda: None) -> None:
+        """Caches at new sizes (the CUDA profile run's plan). The old caches, and the runner
+        whose graphs hold them, are dropped and `free` runs (torch.cuda.empty_cache) before the
+        new ones are allocated, so both never take memory at once."""
+        del self.cache, self.runner
+        free()
+        cache = allocate_cache(self.cache_spec, num_blocks=sizes.kv, num_slots=sizes.state_slots or 0,
+                               block_size=self.engine_config.block_size, dtype=self.dtype, device=self.device)
+        self._assemble(cache, sizes)
+
+    # ---- requests -------------------------------------------------------------------
+    def add(self, ids: list[int], params: SamplingParams, *, eos_token_ids: tuple[int, ...],
+            stop_matcher: StopStringMatcher | None = None) -> Request:
+        """Queue a validated request (prompt ids in the vocabulary, within max_model_len with
+        its max_tokens; params normalized and validated)."""
+        rid = next(self._ids)
+        # A random request's tokens are drawn from noise keyed by (seed, token position)
+        # (mtpkit.sampling.sampler): without a seed of its own it gets a fixed one from the
+        # engine's seed and its id, so it too is reproducible under preemption.
+        seed = None
+        if params.temperature > 0:
+            seed = params.seed if params.seed is not None else hash((self.seed, rid)) & (2**63 - 1)
+        req = Request(rid, ids, params, eos_token_ids, seed)
+        req.stats.num_spec = self.engine_config.num_spec
+        req.stop_matcher = stop_matcher
+        self.scheduler.add(req)
+        return req
+
+    def step(self) -> list[Request]:
+        """Run one step; returns the requests it advanced."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        try:
+            results = self.runner.execute(plan)
+            finished = self.scheduler.update(plan, results)
+        except BaseException:
+            # Interrupted mid-step (Ctrl-C, an error): its caches may be written and its results
+            # not applied. The step's requests start over; the caller's stream aborts its own.
+            self.scheduler.recompute(plan.reqs)
+            raise
+        for r in finished:
+            self.stats.merge(r.stats)
+        return plan.reqs
+
+    def abort(self, reqs: Sequence[Request]) -> list[Request]:
+        """Finish the unfinished ones of `reqs` with "abort" (blocks and slots freed now);
+        returns those it aborted."""
+        return self.scheduler.abort(list(reqs))
+
+    def abort_ids(self, request_ids: set[int]) -> list[int]:
+        """abort() the queued and running requests with these ids; returns their ids, sorted."""
+        sched = self.scheduler
+        reqs = [r for r in itertools.chain(sched.waiting, sched.running) if r.req_id in request_ids]
+        return sorted(r.req_id for r in sched.abort(reqs))
+
+    # ---- scoring --------------------------------------------------------------------
+    @torch.inference_mode()
+    def score(self, ids: list[int]) -> torch.Tensor:
+        """fp32 logits [seq, vocab] of every position of one sequence of vocabulary ids, through
+        the (chunked) prefill path, on blocks and slots of the engine's pools that it holds for
+        the call."""
+        ecfg = self.engine_config
+        if len(ids) > ecfg.max_model_len:
+            raise InputError(f"score: {len(ids)} tokens exceed max_model_len={ecfg.max_model_len}")
+        chunk_len = min(ecfg.max_num_batched_tokens, len(ids))
+        slots = self.slots.allocate() if self.kv_pools.can_hold(len(ids), chunk_len) else None
+        if slots is None:
+            raise InputError("score: the caches are full with running requests; call it when they finish")
+        tables = self.kv_pools.new_tables()
+        try:
+            out, start = [], 0
+            while start < len(ids):
+                n = min(chunk_len, len(ids) - start)
+                held = self.kv_pools.ensure(tables, start, start + n)
+                assert held, "the pools held the whole sequence's peak when the call began"
+                chunk = PrefillChunk(ids[start:start + n], start, [t.ids for t in tables], slots)
+                hidden, _, _ = self.runner.prefill_hidden([chunk])
+                out.append(self.model.compute_logits(hidden).float())
+                start += n
+            return torch.cat(out)
+        finally:
+            self.kv_pools.release(tables)
+            self.slots.free(slots)
