@@ -124,7 +124,7 @@ def main():
     hf, hf_assistant = hf_models(path)
     engines = {k: LLM(path, num_spec=k, dtype="float32", max_num_seqs=max(args.batches))
                for k in range(args.max_spec + 1)}
-    for llm in engines.values():  # long-lived engines: CPU graphs traced on first use (graphs.runner)
+    for llm in engines.values():  # long-lived engines: CPU graphs traced on first use (graphs.captured)
         llm.runner.graphs.trace_after = 0
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     print(f"model={path.name} prompts={args.prompts} max_tokens={args.max_tokens} prompt_len={args.prompt_len} "

@@ -46,7 +46,7 @@ class MetadataTimer:
 def run(model, k, prompts, max_tokens, args, timer):
     llm = LLM(model, num_spec=k, dtype=args.dtype, max_num_seqs=max(len(prompts), 1),
               enforce_eager=args.eager)
-    if llm.runner.graphs is not None:  # steady state: trace CPU graphs on first use (see graphs.runner)
+    if llm.runner.graphs is not None:  # steady state: trace CPU graphs on first use (see graphs.captured)
         llm.runner.graphs.trace_after = args.trace_after
     steps = {"prefill": 0, "verify": 0}
     execute = llm.runner.execute
@@ -93,7 +93,7 @@ def main():
     timer = MetadataTimer()
     # Patch the builders where they are looked up (modules import them by name).
     import mtpkit.engine.runner as runner_mod
-    import mtpkit.graphs.runner as graphs_mod
+    import mtpkit.graphs.captured as graphs_mod
     originals = {name: getattr(md, name) for name in ("build_prefill", "build_uniform")}
     for mod in (runner_mod, graphs_mod):
         for name, fn in originals.items():

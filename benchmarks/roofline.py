@@ -86,11 +86,11 @@ def body_calls(g, batch: int):
     state = {}
 
     def verify():
-        state["hidden"], state["logits"] = g._verify_body(ctx, *g._verify_args(n))
+        state["hidden"], state["logits"] = g._verify_fn(ctx)(*g._verify_args(n))
 
     def propose():
-        return g._propose_body(ctx, *g._propose_args(n, state["hidden"]))
-    return verify, (propose if g.drafter is not None else None), state
+        return g._propose_fn(ctx)(*g._propose_args(n, state["hidden"]))
+    return verify, (propose if g.bodies.has_drafter else None), state
 
 
 def replays(g):
@@ -98,7 +98,7 @@ def replays(g):
     last = g._last
     n = last.num_reqs_padded
     if g.cuda:
-        return g.verify_graphs[n].replay, (g.propose_graphs[n].replay if g.drafter is not None else None)
+        return g.verify_graphs[n].replay, (g.propose_graphs[n].replay if g.bodies.has_drafter else None)
     key = (n, last.traced_context)
     verify, propose = g.verify_graphs[key], g.propose_graphs[key]
     args = g._verify_args(n)

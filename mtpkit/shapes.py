@@ -42,6 +42,8 @@ DIMS: dict[str, str] = {
     # batch structure of one step
     "num_reqs": "real requests in a step",
     "num_reqs_padded": "requests a verify step is padded to (a captured graph size)",
+    "draft_rows": "rows a drafter proposes for: every row of a verify step (its num_reqs_padded), or the prompts "
+                  "a prefill step finished (padded to a graph size when that proposal is traced)",
     "num_spec": "draft tokens proposed per request per step (k)",
     "bundle": "tokens a request feeds the target in one verify step: num_spec + 1",
     "num_tokens": "query tokens in a step (prefill: ragged sum; verify: num_reqs_padded*bundle)",

@@ -1,8 +1,9 @@
 """Runs one scheduled step: metadata -> model -> sampler / rejection -> drafter.
 
-Prefill steps run eager. Verify steps (and the drafter's proposal after them) go through the graph
-runner (mtpkit.graphs: static buffers, captured replays) unless enforce_eager; padded rows are
-inert by construction.
+Prefill steps run eager. A verify step and the drafter's proposals run the step bodies
+(engine/step_bodies.py), written once: called on the step's own tensors under enforce_eager,
+otherwise captured and replayed on static buffers by graphs/captured.py (CapturedSteps, handed
+the same bodies); padded rows are inert by construction.
 
 Under tensor parallelism every rank runs this same code on the same inputs. The sampled tokens,
 accepted counts and drafts decide the next step's inputs on every rank (and so what the model's
@@ -15,25 +16,27 @@ import torch
 from mtpkit.step.metadata import PrefillChunk, UniformRow, build_prefill, build_uniform
 from mtpkit.config import EngineConfig
 from mtpkit.graphs.plan import CapturePlan
-from mtpkit.graphs.runner import GraphRunner
+from mtpkit.graphs.captured import CapturedSteps
 from mtpkit.sampling.params import SamplingParams
 from mtpkit.sampling.sampler import SamplingTensors
-from mtpkit.step.draft import DraftInputs, Drafter, verify_outcome
+from mtpkit.step.draft import Drafter
 from mtpkit.sampling.rejection import rejection_sample
 from mtpkit.step.cache import CacheTensors
 from mtpkit.engine.scheduler import ReqResult, StepKind, StepPlan
+from mtpkit.engine.step_bodies import StepBodies, verify_inputs
 
 
 class ModelRunner:
     def __init__(self, model, drafter: Drafter | None, cache: CacheTensors, ecfg: EngineConfig,
                  device: torch.device, plan: CapturePlan | None = None):
-        """`plan` None: every step eager. Otherwise verify steps run through the graph runner."""
+        """`plan` None: every step eager. Otherwise verify steps replay the captured bodies."""
         self.model, self.drafter, self.cache, self.cfg, self.device = model, drafter, cache, ecfg, device
         self.tp = model.tp
         self._all_greedy: dict[int, SamplingTensors] = {}
-        self.graphs = None
+        self.bodies = StepBodies(model, drafter, ecfg.bundle)
+        self.graphs: CapturedSteps | None = None
         if plan is not None:
-            self.graphs = GraphRunner(model, cache, ecfg, plan, drafter, device)
+            self.graphs = CapturedSteps(self.bodies, cache, ecfg, plan, device)
             self.graphs.capture()
 
     def _sampling(self, params: list[SamplingParams]) -> SamplingTensors:
@@ -91,24 +94,24 @@ class ModelRunner:
                 follow = seq[r.num_computed + 1:r.num_computed + n]
                 follow.append(sampled_of[i] if i in sampled_of else seq[r.num_computed + n])
                 following.extend(follow)
+            # The draft rows: the prompts that finished (their last tokens, their block tables).
             rows = finishing or [0]   # observe: no row samples, the drafter only reads the step
-            inp = DraftInputs(hidden, token_ids, torch.tensor(following, dtype=torch.int64, device=self.device),
-                              positions, meta.slot_mappings, meta.logits_indices[rows], meta.block_tables[:, rows],
-                              meta.max_seq_len, meta)
+            step = (hidden, token_ids, torch.tensor(following, dtype=torch.int64, device=self.device), positions,
+                    meta.slot_mappings, meta.logits_indices[rows], meta.block_tables[:, rows])
             if finishing:
-                drafts = self._prefill_drafts(inp)
+                drafts = self._prefill_drafts(meta, step)
                 drafts = self.tp.broadcast(drafts.contiguous())
                 for i, d in zip(finishing, drafts.tolist()):
                     results[i].drafts = d
             else:
-                self.drafter.observe(inp, self.cache)
+                self.bodies.observe(meta.max_seq_len, *step, self.cache, meta)
         return results
 
-    def _prefill_drafts(self, inp: DraftInputs):
-        """The proposal after a prefill: through the graph runner when there is one."""
+    def _prefill_drafts(self, meta, step: tuple):
+        """The proposal after a prefill: the body, through CapturedSteps when there are graphs."""
         if self.graphs is None:
-            return self.drafter.propose(inp, self.cache)
-        return self.graphs.prefill_proposal(inp)
+            return self.bodies.prefill_proposal(meta.max_seq_len, *step, self.cache, meta)
+        return self.graphs.prefill_proposal(meta.max_seq_len, *step, meta)
 
     # ---- verify -----------------------------------------------------------------------
     def _verify(self, plan: StepPlan) -> list[ReqResult]:
@@ -119,11 +122,11 @@ class ModelRunner:
         meta = None
         if self.graphs is not None:
             hidden, logits, positions, token_ids = self.graphs.verify(rows, n)
-        else:
+        else:  # the body CapturedSteps captures, on this step's own tensors
             token_ids, positions, meta = build_uniform(rows, n, self.cfg.block_size, self.cfg.max_blocks,
                                                        self.device)
-            hidden = self.model(token_ids, positions, meta, self.cache)
-            logits = self.model.compute_logits(hidden)
+            step = verify_inputs(token_ids, positions, meta)
+            hidden, logits = self.bodies.verify(meta.max_seq_len, *step, self.cache)
         logits = logits.view(n, B, -1)[:R]
         drafts = token_ids.view(n, B)[:R, 1:]                                 # [R, k]: d_1..d_k
         limit_list = [min(k, max(r.remaining(self.cfg.max_model_len) - 1, 0)) for r in reqs]
@@ -140,10 +143,8 @@ class ModelRunner:
         if self.drafter is not None:
             if self.graphs is not None:
                 drafts_out = self.graphs.propose(tokens, num_emitted)
-            else:  # eager: n == R
-                next_tokens, last_idx = verify_outcome(token_ids.view(n, B), tokens, num_emitted)
-                inp = DraftInputs(hidden, token_ids, next_tokens, positions, meta.slot_mappings, last_idx,
-                                  meta.block_tables, meta.max_seq_len, meta)
-                drafts_out = self.drafter.propose(inp, self.cache)
+            else:  # eager: no padded rows (n == R), so what was emitted is every row's
+                drafts_out = self.bodies.propose(meta.max_seq_len, hidden, tokens.reshape(-1), num_emitted, *step,
+                                                 self.cache)
             new_drafts = self.tp.broadcast(drafts_out[:R].contiguous()).tolist()
         return [ReqResult(tok_list[i][:emitted_counts[i]], emitted_counts[i], limit_list[i], new_drafts[i]) for i in range(R)]

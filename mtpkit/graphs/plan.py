@@ -1,6 +1,6 @@
 """Which decode (verify) step sizes get CUDA graphs.
 
-A verify step feeds every running request exactly ``bundle = num_spec + 1`` query tokens
+A verify step feeds every running request exactly ``bundle`` (EngineConfig.bundle) query tokens
 (its last sampled token plus its drafts). Graphs are therefore keyed by the padded REQUEST
 count, and a graph for ``n`` requests always holds ``n * bundle`` tokens: a capture batch
 with a ragged last request (vLLM #25647, regression cases 1 and 8) cannot be expressed.
@@ -13,8 +13,13 @@ import dataclasses
 import numbers
 from collections.abc import Sequence
 
-from mtpkit.config import MAX_NUM_SPEC
+from mtpkit.config import MAX_NUM_SPEC, EngineConfig
 from mtpkit.errors import ConfigError
+
+
+def _bundle(num_spec: int) -> int:
+    # The engine config's bundle (its one definition), not a second formula here.
+    return EngineConfig(num_spec=num_spec).bundle
 
 
 def _is_int(value: object) -> bool:
@@ -51,7 +56,7 @@ class CapturePlan:
 
     @property
     def bundle(self) -> int:
-        return self.num_spec + 1
+        return _bundle(self.num_spec)
 
     @property
     def token_sizes(self) -> tuple[int, ...]:
@@ -121,7 +126,7 @@ def build_capture_plan(
 ) -> CapturePlan:
     num_spec = _check_count("num_spec", num_spec, 0, MAX_NUM_SPEC)
     max_num_seqs = _check_count("max_num_seqs", max_num_seqs, 1)
-    bundle = num_spec + 1
+    bundle = _bundle(num_spec)
 
     # A decode batch wider than the state-slot pool would only fail at capture (vLLM
     # #34094, regression case 4); say so now, with the number that fits.

@@ -1,7 +1,7 @@
 """Specialise a traced CPU graph to the one shape it was traced for.
 
-A CPU decode graph (graphs.runner) is traced for fixed input shapes, and replays only with
-those shapes (the runner keys graphs by them). The trace still records every `x.shape[i]` a
+A CPU decode graph (graphs.captured) is traced for fixed input shapes, and replays only with
+those shapes (CapturedSteps keys graphs by them). The trace still records every `x.shape[i]` a
 module reads (to build a view, a slice bound, a gather index) as an `aten::size` op run on
 every replay, and every `x[:, a:b]` as a slice per dimension, including full-range ones. At
 decode sizes such bookkeeping ops cost about as much as the arithmetic, and they are a large

@@ -11,7 +11,7 @@ import torch
 from mtpkit.kernels.paged import context_slots, window_start
 from mtpkit.shapes import Int, Tensor, checked
 from mtpkit.step.cache_spec import CacheSpec
-from mtpkit.step.metadata import UniformMetadata
+from mtpkit.step.metadata import UniformMetadata, uniform_metadata
 from mtpkit.step.draft import Drafter
 
 
@@ -66,13 +66,13 @@ def draft_pass_metadata(
     P, R, ctx = kv_slots.shape
     own = kv_slots.gather(2, positions[None, :, None].expand(P, R, 1))                  # [P, R, 1]
     past = torch.arange(ctx, device=positions.device)[None, None, :] > positions[None, :, None]
-    return UniformMetadata(
+    return uniform_metadata(
         seq_lens=positions + 1,
         block_tables=block_tables,
         slot_mappings=own[:, :, 0],
         state_slots=torch.zeros(R, 1, dtype=torch.int64, device=positions.device),
         prev_num_emitted=torch.ones(R, dtype=torch.int64, device=positions.device),
-        num_reqs=R, num_reqs_padded=R, q_len=1,
+        q_len=1,
         max_seq_len=ctx,
         kv_slots=torch.where(past, own, kv_slots),
     )

@@ -2,8 +2,9 @@
 it declares before any weight is read.
 
 After every target step the engine hands the drafter a `DraftInputs` (the step's tokens,
-positions, the target's final hidden states, the token after each position and each row's
-last accepted index) and gets `[num_reqs_padded, num_spec]` greedy drafts back. After a
+positions, the target's final hidden states, the token after each position and each draft
+row's last committed index) and gets `[draft_rows, num_spec]` greedy drafts back. Its rows
+are not the step's own after a prefill: they are the prompts that finished (`draft_rows`). After a
 verify step this runs inside the same captured graph family as the verify step (CUDA graph;
 CPU trace), so a drafter computes everything on the device from tensors: no host reads.
 
@@ -29,16 +30,19 @@ from mtpkit.step.metadata import PrefillMetadata, UniformMetadata
 
 @shaped_dataclass(frozen=True)
 class DraftInputs:
-    """One target step, as a drafter reads it. Rows are the requests to draft for (a verify
-    step: every row, padded ones included; a prefill: the prompts that finished)."""
+    """One target step, as a drafter reads it. Rows (`draft_rows`) are the requests to draft
+    for: a verify step's every row, padded ones included; a prefill's prompts that finished
+    (padded to a graph size when traced). Built by `draft_inputs` only."""
 
     hidden: Float[Tensor, "num_tokens hidden"]          # the target's final (post-norm) hidden states
     token_ids: Int[Tensor, "num_tokens"]                # the tokens the step fed
     next_tokens: Int[Tensor, "num_tokens"]              # the token after each position
     positions: Int[Tensor, "num_tokens"]
     slot_mappings: Int[Tensor, "kv_pools num_tokens"]   # the KV slot of every position, in each pool
-    last_idx: Int[Tensor, "num_reqs_padded"]            # each row's last accepted token (flat index)
-    block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"]
+    # Each draft row's last committed position, as a flat index into the step's tokens: after a
+    # verify step its last accepted bundle position, after a prefill its prompt's last token.
+    last_idx: Int[Tensor, "draft_rows"]
+    block_tables: Int[Tensor, "kv_pools draft_rows max_blocks"]
     max_seq_len: int                                    # longest sequence of the step
     # The step's own metadata, for a drafter that runs a model over the step's tokens. None in
     # a traced prefill proposal (only drafters with `needs_step_metadata` False are traced there).
@@ -52,11 +56,26 @@ class Drafter:
     num_spec: int
     needs_step_metadata = False
 
-    def propose(self, inp: DraftInputs, cache: CacheTensors) -> Int[Tensor, "num_reqs_padded num_spec"]:
+    def propose(self, inp: DraftInputs, cache: CacheTensors) -> Int[Tensor, "draft_rows num_spec"]:
         raise NotImplementedError
 
     def observe(self, inp: DraftInputs, cache: CacheTensors) -> None:
         pass
+
+
+def draft_inputs(
+    hidden: Float[Tensor, "num_tokens hidden"], token_ids: Int[Tensor, "num_tokens"],
+    next_tokens: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
+    slot_mappings: Int[Tensor, "kv_pools num_tokens"], last_idx: Int[Tensor, "draft_rows"],
+    block_tables: Int[Tensor, "kv_pools draft_rows max_blocks"], max_seq_len: int,
+    meta: PrefillMetadata | UniformMetadata | None = None,
+) -> DraftInputs:
+    """The one place a DraftInputs is made: the step bodies' (engine/step_bodies.py) after a
+    verify step (`last_idx`, `next_tokens` from `verify_outcome`) and after a prefill (the
+    finished prompts' last tokens and block tables, the token after every position)."""
+    return DraftInputs(hidden=hidden, token_ids=token_ids, next_tokens=next_tokens, positions=positions,
+                       slot_mappings=slot_mappings, last_idx=last_idx, block_tables=block_tables,
+                       max_seq_len=max_seq_len, meta=meta)
 
 
 @checked

@@ -66,8 +66,11 @@ class UniformMetadata:
     slot_mappings: Int[Tensor, "kv_pools num_tokens"]
     state_slots: Int[Tensor, "num_reqs_padded q_len"]  # verify: the request's bundle slots
     prev_num_emitted: Int[Tensor, "num_reqs_padded"]
-    num_reqs: int                                      # real rows; the rest are padding
-    num_reqs_padded: int
+    # Real rows (the rest are padding) where the builder knows them: a step built on the host
+    # from its scheduled rows. None inside a captured body or a drafter's pass, which see only
+    # the padded rows (a graph replays for any number of real rows up to its size).
+    num_reqs: int | None
+    num_reqs_padded: int                               # every row, padded ones included
     q_len: int                                         # query tokens per row
     max_seq_len: int
     # The KV-cache slot of every position 0..ctx_len-1 of each row in each pool, or None:
@@ -79,6 +82,21 @@ class UniformMetadata:
     @property
     def num_tokens(self) -> int:
         return self.num_reqs_padded * self.q_len
+
+
+def uniform_metadata(
+    seq_lens: Int[Tensor, "num_reqs_padded"], block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"],
+    slot_mappings: Int[Tensor, "kv_pools num_tokens"], state_slots: Int[Tensor, "num_reqs_padded q_len"],
+    prev_num_emitted: Int[Tensor, "num_reqs_padded"], q_len: int, max_seq_len: int,
+    num_reqs: int | None = None, kv_slots: Int[Tensor, "kv_pools num_reqs_padded ctx_len"] | None = None,
+) -> UniformMetadata:
+    """The one place a UniformMetadata is made (`build_uniform` on the host, a captured body
+    from its buffers, a drafter's one-token pass on the device). The padded row count is the
+    tensors' own; `num_reqs` (real rows) only where the caller knows it."""
+    return UniformMetadata(
+        seq_lens=seq_lens, block_tables=block_tables, slot_mappings=slot_mappings, state_slots=state_slots,
+        prev_num_emitted=prev_num_emitted, num_reqs=num_reqs, num_reqs_padded=seq_lens.shape[0], q_len=q_len,
+        max_seq_len=max_seq_len, kv_slots=kv_slots)
 
 
 def _block_tables(rows: list[list[list[int]]], max_blocks: int) -> Tensor:
@@ -160,15 +178,14 @@ def build_uniform(
     def as_tensor(x):
         return torch.tensor(x, dtype=torch.int64, device=device)
 
-    meta = UniformMetadata(
+    meta = uniform_metadata(
         seq_lens=as_tensor(seq_lens),
         block_tables=as_tensor(table),
         slot_mappings=as_tensor(slots),
         state_slots=as_tensor([r.state_slots for r in rows]),
         prev_num_emitted=as_tensor([r.prev_num_emitted for r in rows]),
-        num_reqs=num_reqs,
-        num_reqs_padded=num_reqs_padded,
         q_len=q,
         max_seq_len=max(seq_lens),
+        num_reqs=num_reqs,
     )
     return as_tensor([x for r in rows for x in r.token_ids]), as_tensor(positions), meta

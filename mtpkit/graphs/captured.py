@@ -1,9 +1,13 @@
-"""Captured verify steps: static buffers, one graph per num_reqs_padded, replay.
+"""Captured decode steps: the capture of step bodies handed to it, on static buffers, one
+graph per num_reqs_padded, and their replay.
 
-Two graphs per size n (each holds exactly n * bundle query tokens):
-- verify[n]: target forward over the bundle tokens + logits at every bundle position;
-- propose[n]: the drafter's proposal (speculative.drafter), reading the verify graph's
-  hidden states and tokens and what rejection sampling emitted.
+The bodies are written once, in the engine (engine/step_bodies.py, the `Bodies` protocol
+below): eager mode calls the same functions. Two graphs per size n (each holds exactly
+n * bundle query tokens):
+- verify[n]: the verify body: target forward over the bundle tokens + logits at every bundle
+  position;
+- propose[n]: the propose body: the drafter's proposal, reading the verify graph's hidden
+  states and tokens and what rejection sampling emitted.
 Rejection sampling runs between them, eager (it reads the requests' sampling settings on the host).
 
 How a graph is captured and replayed depends on the device:
@@ -18,19 +22,19 @@ How a graph is captured and replayed depends on the device:
   backend (Triton under its interpreter) or in debug mode (every step's shapes checked): the
   bodies are called directly on the buffers ("replay" = call).
 Every mode runs the same static-buffer path, so CI covers every padding and metadata path;
-`enforce_eager=True` bypasses this runner entirely.
+`enforce_eager=True` calls the bodies on the step's own tensors, without this module.
 """
 
 import dataclasses
 import warnings
+from typing import Protocol
 
 import torch
 
-from mtpkit.step.metadata import UniformMetadata, UniformRow, build_uniform
+from mtpkit.step.metadata import PrefillMetadata, UniformRow, build_uniform
 from mtpkit.config import EngineConfig
 from mtpkit.step.cache import CacheTensors
 from mtpkit.shapes import Float, Int, Tensor, checked, is_debug
-from mtpkit.step.draft import DraftInputs, Drafter, verify_outcome
 from mtpkit.graphs.plan import CapturePlan
 from mtpkit.graphs.specialize import specialized
 
@@ -43,6 +47,29 @@ CPU_TRACE_AFTER = 32
 # Longer prefills propose by direct calls: a drafter's pass over the step is mostly arithmetic over the
 # prompt, which a trace does not speed up, and each token bucket would be another trace.
 MAX_TRACED_PREFILL = 512
+
+
+class Bodies(Protocol):
+    """The step bodies this module captures (engine/step_bodies.py: StepBodies). Each takes
+    the context it attends over (an int a graph fixes), tensors, then the cache."""
+
+    has_drafter: bool                    # a propose graph to capture
+    proposal_needs_step_metadata: bool   # the proposal after a prefill reads the step's metadata: never traced
+    traceable: bool                      # every op is visible to torch.jit.trace (no collectives, no Triton)
+
+    def verify(self, max_seq_len: int, token_ids, positions, slot_mappings, seq_lens, block_tables, state_slots,
+               prev_num_emitted, cache: CacheTensors) -> tuple[Tensor, Tensor]: ...
+
+    def propose(self, max_seq_len: int, hidden, emitted, num_emitted, token_ids, positions, slot_mappings,
+                seq_lens, block_tables, state_slots, prev_num_emitted, cache: CacheTensors) -> Tensor: ...
+
+    def prefill_proposal(self, max_seq_len: int, hidden, token_ids, next_tokens, positions, slot_mappings,
+                         last_idx, block_tables, cache: CacheTensors, meta: PrefillMetadata | None = None
+                         ) -> Tensor: ...
+
+
+# Tensor arguments of each body before the cache's (StaticBuffers.inputs for verify).
+VERIFY_INPUTS, PROPOSE_INPUTS, PREFILL_INPUTS = 7, 10, 7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,23 +119,25 @@ class StaticBuffers:
         self.num_emitted[:n].fill_(1)
 
     def inputs(self, n: int, bundle: int) -> tuple[Tensor, ...]:
-        """The views a verify graph reads, in its argument order."""
+        """The views a verify graph reads, in the verify body's argument order."""
         T = n * bundle
         return (self.token_ids[:T], self.positions[:T], self.slot_mappings[:, :T], self.seq_lens[:n],
                 self.block_tables[:, :n], self.state_slots[:n], self.prev_num_emitted[:n])
 
 
-class GraphRunner:
-    def __init__(self, model, cache: CacheTensors, ecfg: EngineConfig,
-                 plan: CapturePlan, drafter: Drafter | None, device: torch.device):
-        self.model, self.cache, self.cfg, self.plan = model, cache, ecfg, plan
-        self.drafter, self.device, self.bundle = drafter, device, ecfg.bundle
+class CapturedSteps:
+    """The verify and propose bodies captured (CUDA) or traced (CPU) per graph size, their
+    replays, and the proposal after a prefill (traced on CPU)."""
+
+    def __init__(self, bodies: Bodies, cache: CacheTensors, ecfg: EngineConfig, plan: CapturePlan,
+                 device: torch.device):
+        self.bodies, self.cache, self.cfg, self.plan = bodies, cache, ecfg, plan
+        self.device, self.bundle = device, ecfg.bundle
         self.buf = StaticBuffers.allocate(plan.sizes[-1], self.bundle, ecfg.max_blocks, len(cache.pool_windows),
                                           device)
         self.cuda = device.type == "cuda"
-        # CPU graphs are traced unless the trace would leave something out: the model's
-        # collectives, or kernels the tracer cannot see into (Triton, run by its interpreter).
-        self.trace = not self.cuda and model.tp.size == 1 and model.ops.name == "torch"
+        # CPU graphs are traced unless the trace would leave something out (Bodies.traceable).
+        self.trace = not self.cuda and bodies.traceable
         self.trace_after = CPU_TRACE_AFTER
         self.verify_graphs: dict = {}     # CUDA: n -> graph; CPU: (n, context) -> traced function
         self.propose_graphs: dict = {}
@@ -119,69 +148,21 @@ class GraphRunner:
         self.prefill_graphs: dict = {}    # CPU: (tokens, n, context) -> traced proposal after a prefill
         self._prefill_uses: dict = {}
 
-    # ---- the captured bodies --------------------------------------------------------------
-    # Typed like every boundary (checked when called directly in debug mode; a trace or a CUDA
-    # graph records them once). The cache tensors are arguments too, not constants a trace
-    # would hold: TorchScript's optimiser may fold ops on constants, and the caches change
-    # between replays.
-    def _meta(self, slot_mappings, seq_lens, block_tables, state_slots, prev_num_emitted, max_seq_len
-              ) -> UniformMetadata:
-        n = seq_lens.shape[0]
-        return UniformMetadata(seq_lens, block_tables, slot_mappings, state_slots, prev_num_emitted, n, n,
-                               self.bundle, max_seq_len)
+    # ---- what is traced or captured -------------------------------------------------------
+    # A body with its context length fixed, over flat tensor arguments. The cache tensors are
+    # arguments too, not constants a trace would hold: TorchScript's optimiser may fold ops on
+    # constants, and the caches change between replays.
+    def _flat(self, body, max_seq_len: int, inputs: int):
+        return lambda *args: body(max_seq_len, *args[:inputs], self.cache.with_tensors(args[inputs:]))
 
-    @checked
-    def _verify_body(
-        self, max_seq_len: int,
-        token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
-        slot_mappings: Int[Tensor, "kv_pools num_tokens"], seq_lens: Int[Tensor, "num_reqs_padded"],
-        block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"],
-        state_slots: Int[Tensor, "num_reqs_padded bundle"],
-        prev_num_emitted: Int[Tensor, "num_reqs_padded"], *cache: Tensor,
-    ) -> tuple[Float[Tensor, "num_tokens hidden"], Float[Tensor, "num_tokens vocab"]]:
-        meta = self._meta(slot_mappings, seq_lens, block_tables, state_slots, prev_num_emitted, max_seq_len)
-        hidden = self.model(token_ids, positions, meta, self.cache.with_tensors(cache))
-        return hidden, self.model.compute_logits(hidden)
-
-    @checked
-    def _propose_body(
-        self, max_seq_len: int,
-        hidden: Float[Tensor, "num_tokens hidden"], emitted: Int[Tensor, "num_tokens"],
-        num_emitted: Int[Tensor, "num_reqs_padded"],
-        token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
-        slot_mappings: Int[Tensor, "kv_pools num_tokens"], seq_lens: Int[Tensor, "num_reqs_padded"],
-        block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"],
-        state_slots: Int[Tensor, "num_reqs_padded bundle"],
-        prev_num_emitted: Int[Tensor, "num_reqs_padded"], *cache: Tensor,
-    ) -> Int[Tensor, "num_reqs_padded num_spec"]:
-        n = num_emitted.shape[0]
-        next_tokens, last_idx = verify_outcome(token_ids.view(n, -1), emitted.view(n, -1), num_emitted)
-        meta = self._meta(slot_mappings, seq_lens, block_tables, state_slots, prev_num_emitted, max_seq_len)
-        inp = DraftInputs(hidden, token_ids, next_tokens, positions, slot_mappings, last_idx, block_tables,
-                          max_seq_len, meta)
-        return self.drafter.propose(inp, self.cache.with_tensors(cache))
-
-    @checked
-    def _prefill_proposal_body(
-        self, max_seq_len: int,
-        hidden: Float[Tensor, "num_tokens hidden"], token_ids: Int[Tensor, "num_tokens"],
-        next_tokens: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
-        slot_mappings: Int[Tensor, "kv_pools num_tokens"], last_idx: Int[Tensor, "num_reqs_padded"],
-        block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"], *cache: Tensor,
-    ) -> Int[Tensor, "num_reqs_padded num_spec"]:
-        inp = DraftInputs(hidden, token_ids, next_tokens, positions, slot_mappings, last_idx, block_tables,
-                          max_seq_len)
-        return self.drafter.propose(inp, self.cache.with_tensors(cache))
-
-    # A body with its context length fixed: what is traced or captured.
     def _verify_fn(self, max_seq_len: int):
-        return lambda *args: self._verify_body(max_seq_len, *args)
+        return self._flat(self.bodies.verify, max_seq_len, VERIFY_INPUTS)
 
     def _propose_fn(self, max_seq_len: int):
-        return lambda *args: self._propose_body(max_seq_len, *args)
+        return self._flat(self.bodies.propose, max_seq_len, PROPOSE_INPUTS)
 
     def _prefill_fn(self, max_seq_len: int):
-        return lambda *args: self._prefill_proposal_body(max_seq_len, *args)
+        return self._flat(self.bodies.prefill_proposal, max_seq_len, PREFILL_INPUTS)
 
     def _verify_args(self, n: int) -> tuple[Tensor, ...]:
         return self.buf.inputs(n, self.bundle) + self.cache.tensors()
@@ -208,14 +189,14 @@ class GraphRunner:
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: allocator, kernels' first-launch work
                     hidden, _ = verify(*args)
-                    if self.drafter is not None:
+                    if self.bodies.has_drafter:
                         propose(*self._propose_args(n, hidden))
             torch.cuda.current_stream().wait_stream(stream)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
                 hidden, logits = verify(*args)
             self.verify_graphs[n], self.outputs[n] = g, {"hidden": hidden, "logits": logits}
-            if self.drafter is not None:
+            if self.bodies.has_drafter:
                 gp = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(gp, pool=self.pool):
                     drafts = propose(*self._propose_args(n, hidden))
@@ -237,7 +218,7 @@ class GraphRunner:
             args = self._verify_args(n)
             verify = self._trace(self._verify_fn(context), args, f"verify_{n}_{context}")
             propose = None
-            if self.drafter is not None:
+            if self.bodies.has_drafter:
                 hidden, _ = verify(*args)
                 propose = self._trace(self._propose_fn(context), self._propose_args(n, hidden),
                                       f"propose_{n}_{context}")
@@ -304,7 +285,7 @@ class GraphRunner:
                 hidden, logits = verify(*self._verify_args(n))
             else:
                 self._last = LastVerify(n, None, meta.max_seq_len)
-                hidden, logits = self._verify_body(meta.max_seq_len, *self._verify_args(n))
+                hidden, logits = self.bodies.verify(meta.max_seq_len, *buf.inputs(n, B), self.cache)
             out = self.outputs[n] = {"hidden": hidden, "logits": logits}
         return out["hidden"], out["logits"], buf.positions[:n * B], buf.token_ids[:n * B]
 
@@ -322,24 +303,32 @@ class GraphRunner:
         if self.cuda:
             self.propose_graphs[n].replay()
             return self.outputs[n]["drafts"][:R]
-        args = self._propose_args(n, self.outputs[n]["hidden"])
+        hidden = self.outputs[n]["hidden"]
         if last.traced_context is not None:
-            return self.propose_graphs[n, last.traced_context](*args)[:R]
-        return self._propose_body(last.max_seq_len, *args)[:R]
+            return self.propose_graphs[n, last.traced_context](*self._propose_args(n, hidden))[:R]
+        return self.bodies.propose(last.max_seq_len, hidden, buf.emitted[:n * B], buf.num_emitted[:n],
+                                   *buf.inputs(n, B), self.cache)[:R]
 
     @checked
-    def prefill_proposal(self, inp: DraftInputs) -> Int[Tensor, "num_reqs_padded num_spec"]:
-        """The drafter's proposal after a prefill step, for the prefills that finished
-        (`inp.last_idx`: their last tokens). On CPU, traced like a decode step: tokens padded
+    def prefill_proposal(
+        self, max_seq_len: int,
+        hidden: Float[Tensor, "num_tokens hidden"], token_ids: Int[Tensor, "num_tokens"],
+        next_tokens: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
+        slot_mappings: Int[Tensor, "kv_pools num_tokens"], last_idx: Int[Tensor, "draft_rows"],
+        block_tables: Int[Tensor, "kv_pools draft_rows max_blocks"], meta: PrefillMetadata,
+    ) -> Int[Tensor, "draft_rows num_spec"]:
+        """The prefill-proposal body's drafts for the prefills that finished (`last_idx`: their
+        last tokens; arguments as the body's). On CPU, traced like a decode step: tokens padded
         to a power of two (at least 16; padding tokens write the null slot) and rows to a graph
         size (inert rows: null block), keyed by (tokens, rows, context bucket). Elsewhere (CUDA,
         where prefill runs eager; TP; debug; more tokens than MAX_TRACED_PREFILL; a drafter
         that runs over the step's own metadata) called directly."""
-        T, R = inp.hidden.shape[0], inp.last_idx.shape[0]
-        if (not self.trace or is_debug() or self.drafter.needs_step_metadata or R > self.plan.max_num_seqs
+        T, R = hidden.shape[0], last_idx.shape[0]
+        step = (hidden, token_ids, next_tokens, positions, slot_mappings, last_idx, block_tables)
+        if (not self.trace or is_debug() or self.bodies.proposal_needs_step_metadata or R > self.plan.max_num_seqs
                 or T > MAX_TRACED_PREFILL):
-            return self.drafter.propose(inp, self.cache)
-        T_pad, n, context = max(16, 1 << (T - 1).bit_length()), self.plan.dispatch(R), self.context_bucket(inp.max_seq_len)
+            return self.bodies.prefill_proposal(max_seq_len, *step, self.cache, meta)
+        T_pad, n, context = max(16, 1 << (T - 1).bit_length()), self.plan.dispatch(R), self.context_bucket(max_seq_len)
         key = (T_pad, n, context)
         uses = self._prefill_uses[key] = self._prefill_uses.get(key, 0) + 1
         fn = self.prefill_graphs.get(key)
@@ -351,19 +340,18 @@ class GraphRunner:
             shape[dim] = size - shape[dim]
             return torch.cat([x, x.new_zeros(shape)], dim=dim)
         if fn is None and uses > self.trace_after:
-            hidden, last_idx, tables = inp.hidden, inp.last_idx, inp.block_tables
-            P = tables.shape[0]
+            P = block_tables.shape[0]
             inert = (hidden.new_zeros(T_pad, hidden.shape[1]),) + tuple(last_idx.new_zeros(T_pad) for _ in range(3)) + (
-                last_idx.new_zeros(P, T_pad), last_idx.new_zeros(n), tables.new_zeros(P, n, tables.shape[2]))
+                last_idx.new_zeros(P, T_pad), last_idx.new_zeros(n), block_tables.new_zeros(P, n, block_tables.shape[2]))
             try:
                 fn = self.prefill_graphs[key] = self._trace(self._prefill_fn(context), inert + self.cache.tensors(),
                                                             f"prefill_proposal_{T_pad}_{n}_{context}")
             except Exception as e:  # noqa: BLE001 - the direct call below needs no tracer
                 self._trace_failed(e)
         if fn is None:
-            return self.drafter.propose(inp, self.cache)
-        return fn(pad(inp.hidden, T_pad), pad(inp.token_ids, T_pad), pad(inp.next_tokens, T_pad),
-                  pad(inp.positions, T_pad), pad(inp.slot_mappings, T_pad, 1), pad(inp.last_idx, n), pad(inp.block_tables, n, 1),
+            return self.bodies.prefill_proposal(max_seq_len, *step, self.cache, meta)
+        return fn(pad(hidden, T_pad), pad(token_ids, T_pad), pad(next_tokens, T_pad),
+                  pad(positions, T_pad), pad(slot_mappings, T_pad, 1), pad(last_idx, n), pad(block_tables, n, 1),
                   *self.cache.tensors())[:R]
 
     def describe(self) -> str:

@@ -1,0 +1,113 @@
+"""The bodies of a step, written once: what every mode runs, eager or captured.
+
+- `verify`: the step's UniformMetadata from its tensors -> the target model -> logits at every
+  bundle position;
+- `propose`: what rejection sampling emitted -> `verify_outcome` -> DraftInputs -> the
+  drafter's proposal (rejection sampling runs between the two, eager: it reads the requests'
+  sampling settings on the host);
+- `prefill_proposal`: the proposal after a prefill, for the prompts that finished; `observe`:
+  a prefill chunk that samples nothing, for a drafter with its own KV (eager only).
+
+`enforce_eager` calls them on the step's own tensors (engine/runner.py); graphs/captured.py
+calls, traces (CPU) or captures (CUDA) the very same functions on its static buffers. So a
+body reads only tensors, ints and the cache: no host reads of tensor values, no shapes
+that depend on data, nothing a trace would freeze. Inside a body the real row count is not
+known (a graph replays for any count up to its size): its metadata says `num_reqs` None.
+"""
+
+from mtpkit.shapes import Float, Int, Tensor, checked
+from mtpkit.step.cache import CacheTensors
+from mtpkit.step.draft import Drafter, draft_inputs, verify_outcome
+from mtpkit.step.metadata import PrefillMetadata, UniformMetadata, uniform_metadata
+
+
+class StepBodies:
+    """The step bodies of one model (and its drafter, or None). What graphs/captured.py is
+    handed (its `Bodies` protocol) besides the bodies themselves: whether there is a drafter,
+    whether its proposal needs the step's own metadata, and whether every op is traceable."""
+
+    def __init__(self, model, drafter: Drafter | None, bundle: int):
+        self.model, self.drafter, self.bundle = model, drafter, bundle
+        self.has_drafter = drafter is not None
+        # A drafter that runs a model over the step's own metadata (not a tensor argument) is
+        # never traced after a prefill.
+        self.proposal_needs_step_metadata = drafter is not None and drafter.needs_step_metadata
+        # A trace would leave out the model's collectives and kernels it cannot see into (Triton,
+        # run by its interpreter on CPU).
+        self.traceable = model.tp.size == 1 and model.ops.name == "torch"
+
+    def _meta(self, slot_mappings, seq_lens, block_tables, state_slots, prev_num_emitted, max_seq_len
+              ) -> UniformMetadata:
+        return uniform_metadata(seq_lens, block_tables, slot_mappings, state_slots, prev_num_emitted,
+                                q_len=self.bundle, max_seq_len=max_seq_len)
+
+    # Typed like every boundary (checked when called directly in debug mode; a trace or a CUDA
+    # graph records them once).
+    @checked
+    def verify(
+        self, max_seq_len: int,
+        token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
+        slot_mappings: Int[Tensor, "kv_pools num_tokens"], seq_lens: Int[Tensor, "num_reqs_padded"],
+        block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"],
+        state_slots: Int[Tensor, "num_reqs_padded bundle"],
+        prev_num_emitted: Int[Tensor, "num_reqs_padded"], cache: CacheTensors,
+    ) -> tuple[Float[Tensor, "num_tokens hidden"], Float[Tensor, "num_tokens vocab"]]:
+        meta = self._meta(slot_mappings, seq_lens, block_tables, state_slots, prev_num_emitted, max_seq_len)
+        hidden = self.model(token_ids, positions, meta, cache)
+        return hidden, self.model.compute_logits(hidden)
+
+    @checked
+    def propose(
+        self, max_seq_len: int,
+        hidden: Float[Tensor, "num_tokens hidden"], emitted: Int[Tensor, "num_tokens"],
+        num_emitted: Int[Tensor, "num_reqs_padded"],
+        token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
+        slot_mappings: Int[Tensor, "kv_pools num_tokens"], seq_lens: Int[Tensor, "num_reqs_padded"],
+        block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"],
+        state_slots: Int[Tensor, "num_reqs_padded bundle"],
+        prev_num_emitted: Int[Tensor, "num_reqs_padded"], cache: CacheTensors,
+    ) -> Int[Tensor, "num_reqs_padded num_spec"]:
+        """After a verify step that emitted emitted[i*bundle : i*bundle + num_emitted[i]] for
+        row i (padded rows: one token 0): the drafts of every row."""
+        n = num_emitted.shape[0]
+        next_tokens, last_idx = verify_outcome(token_ids.view(n, -1), emitted.view(n, -1), num_emitted)
+        meta = self._meta(slot_mappings, seq_lens, block_tables, state_slots, prev_num_emitted, max_seq_len)
+        inp = draft_inputs(hidden, token_ids, next_tokens, positions, slot_mappings, last_idx, block_tables,
+                           max_seq_len, meta)
+        return self.drafter.propose(inp, cache)
+
+    @checked
+    def prefill_proposal(
+        self, max_seq_len: int,
+        hidden: Float[Tensor, "num_tokens hidden"], token_ids: Int[Tensor, "num_tokens"],
+        next_tokens: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
+        slot_mappings: Int[Tensor, "kv_pools num_tokens"], last_idx: Int[Tensor, "draft_rows"],
+        block_tables: Int[Tensor, "kv_pools draft_rows max_blocks"], cache: CacheTensors,
+        meta: PrefillMetadata | None = None,
+    ) -> Int[Tensor, "draft_rows num_spec"]:
+        """After a prefill: the drafts of the prompts that finished (`last_idx`: their last
+        tokens, `block_tables`: theirs). `meta` the step's own, None when traced."""
+        inp = draft_inputs(hidden, token_ids, next_tokens, positions, slot_mappings, last_idx, block_tables,
+                           max_seq_len, meta)
+        return self.drafter.propose(inp, cache)
+
+    def observe(
+        self, max_seq_len: int,
+        hidden: Float[Tensor, "num_tokens hidden"], token_ids: Int[Tensor, "num_tokens"],
+        next_tokens: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
+        slot_mappings: Int[Tensor, "kv_pools num_tokens"], last_idx: Int[Tensor, "draft_rows"],
+        block_tables: Int[Tensor, "kv_pools draft_rows max_blocks"], cache: CacheTensors,
+        meta: PrefillMetadata | None = None,
+    ) -> None:
+        """A prefill step that finished no prompt: the drafter reads it (its own KV), drafts nothing."""
+        inp = draft_inputs(hidden, token_ids, next_tokens, positions, slot_mappings, last_idx, block_tables,
+                           max_seq_len, meta)
+        self.drafter.observe(inp, cache)
+
+
+def verify_inputs(token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
+                  meta: UniformMetadata) -> tuple:
+    """A verify step's own tensors in the bodies' argument order, after max_seq_len (what the
+    static buffers of graphs/captured.py hold in the same order)."""
+    return (token_ids, positions, meta.slot_mappings, meta.seq_lens, meta.block_tables, meta.state_slots,
+            meta.prev_num_emitted)
