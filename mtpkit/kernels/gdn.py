@@ -229,7 +229,7 @@ def gated_delta_rule_verify(
     state_slots: Int[Tensor, "num_reqs_padded bundle"],
     prev_num_emitted: Int[Tensor, "num_reqs_padded"],
 ) -> Float[Tensor, "num_reqs_padded bundle v_heads v_dim"]:
-    """A uniform verify/decode step (vLLM's contract, spec_decode.md): request i starts
+    """A uniform verify/decode step (vLLM's contract: docs/design.md, "Contracts"): request i starts
     from ssm_state[state_slots[i, prev_num_emitted[i] - 1]] and the state after its token t
     is written to ssm_state[state_slots[i, t]]. Padded rows point every slot at the null
     slot 0 with prev_num_emitted 1: they read and write only slot 0 (finite as long as the

@@ -6,7 +6,7 @@
   block: padded rows read and write it, no request ever owns it.
 - State slots, one tensor [num_slots, *shape] per layer and state name of every state group.
   Slot 0 is the null slot. A request owns `bundle` slots (the speculative state contract of
-  DESIGN.md). A model without state groups has no slot pool: its requests hold no slots.
+  docs/design.md). A model without state groups has no slot pool: its requests hold no slots.
 """
 
 import dataclasses

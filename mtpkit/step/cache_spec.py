@@ -11,7 +11,7 @@ A model family declares its cache groups from its config alone (before any weigh
   per pool; a sliding pool holds only the blocks some query can still read (engine.kv_pools),
   so its size is bounded by the window, not by the context.
 - `StateGroup`: layers with per-request recurrent state, held in a slot pool: each request
-  owns `bundle` slots (the speculative state contract of DESIGN.md), one tensor per layer
+  owns `bundle` slots (the speculative state contract of docs/design.md), one tensor per layer
   and state name, [num_slots, *shape]. A model without state declares none and its requests
   hold no slots.
 

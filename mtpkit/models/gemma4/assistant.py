@@ -4,8 +4,7 @@ no K/V of their own. Each draft step maps [E_target[t] * sqrt(Hb); h] to its hid
 layer the KV of the target layer it maps to, `kv_at`), normalises, scores the vocabulary
 with its tied embeddings (or the centroid head) and maps back to the target's width
 (`post_projection`) for the next step. The drafter (speculative/gemma4_assistant.py) runs
-the steps; facts it matches are in shared/reference/gemma4.md ("Assistant"), transformers
-5.24 being the oracle.
+the steps; transformers 5.24's `transformers.models.gemma4` assistant is the oracle.
 """
 
 import torch

@@ -6,7 +6,7 @@ The assistant's decoder is a Gemma 4 text config (`text_config`) whose every lay
 KV-shared: Q-only layers that read the KV of the target layer they map to (transformers
 forces num_kv_shared_layers = num_hidden_layers). Omitted top-level fields take
 transformers 5.24's defaults (Gemma4AssistantConfig): backbone_hidden_size 1536, no ordered
-embeddings, 2048 centroids, top 32 of them. Facts: shared/reference/gemma4.md, "Assistant".
+embeddings, 2048 centroids, top 32 of them.
 """
 
 import dataclasses

@@ -1,9 +1,8 @@
 """Gemma 4's text decoder: sliding and full attention layers with per-layer geometry, dense
 gelu-tanh MLP or MLP + MoE, per-layer embeddings (E2B/E4B), KV-shared layers.
 
-Written against the attention backends and the cache storage passed in, like qwen3_next.py.
-Facts it matches are in shared/reference/gemma4.md; transformers 5.24 is the oracle for its
-logits (where the two disagree, transformers' behaviour is what is implemented).
+Written against the kernels (mtpkit.kernels.ops.Ops) and the cache storage passed in, like
+Qwen3-Next's model. transformers 5.24 is the oracle for its logits (where the two disagree, transformers' behaviour is what is implemented).
 """
 
 import torch

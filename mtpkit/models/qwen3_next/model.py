@@ -1,8 +1,8 @@
 """Qwen3-Next: Gated DeltaNet + gated full attention + sparse MoE, with its MTP module.
 
-Written against the attention backends (mtpkit.kernels) and the cache storage passed in
-(mtpkit.step.cache.CacheTensors): no layer owns a cache. Facts it matches are in
-shared/reference/qwen3_next.md; transformers 5.24 is the oracle for its logits.
+Written against the kernels (mtpkit.kernels.ops.Ops) and the cache storage passed in
+(mtpkit.step.cache.CacheTensors): no layer owns a cache. transformers 5.24 is the oracle for
+its logits.
 """
 
 import torch
