@@ -1,4 +1,4 @@
-"""Building blocks shared by the models: the linear-layer family, norms, RoPE, MLP and MoE.
+"""The linear-layer family with tensor parallelism, and the vocabulary-parallel embedding / head.
 
 All linear layers go through `Linear` and its parallel forms (column, merged column, row, KV
 heads), so that tensor parallelism shards weights (and loads only its slices) in one place:
@@ -6,11 +6,11 @@ heads), so that tensor parallelism shards weights (and loads only its slices) in
 all-reduce each). The vocabulary-parallel embedding and lm_head are the two functions after
 them. Projections of the same input are merged into one weight (one matmul): at decode batch
 sizes every op costs a fixed overhead, so fewer, larger ops are what makes a step fast.
-Each module that merges checkpoint tensors says how (`checkpoint_specs`, see weights.py).
+Each module that merges checkpoint tensors says how (`checkpoint_specs`, see mtpkit/checkpoint/weights.py).
 For FP8 checkpoints kept in FP8 (`use_fp8`) the same modules describe their rows and columns
 as checkpoint `Part`s and `Columns`, from which fp8_layout.py lays out the FP8 weight.
 
-The linear family and the norms are shape-polymorphic (any leading dims, the feature dim
+The linear family and the norms (norm.py) are shape-polymorphic (any leading dims, the feature dim
 last: tokens x hidden, tokens x heads x head_dim, tokens*heads x v_dim), so their forward
 takes plain Tensor; the layers that call them (attention, GDN, MoE, model forward) are the
 typed boundaries. So are the callers of the collectives in parallel.py.

@@ -19,7 +19,7 @@ from mtpkit.step.cache_spec import CacheSpec
 
 @dataclasses.dataclass
 class CacheTensors:
-    """The storage the attention backends read and write; the model never owns a cache.
+    """The storage the kernels read and write (through `Ops`); the model never owns a cache.
     kv[group][layer] = (K, V); state[group][layer][name] = that state's slots;
     pool_index[group] = the index of the group's pool in a step's stacked block tables
     (metadata `block_tables[pool]`, `slot_mappings[pool]`)."""
