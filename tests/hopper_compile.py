@@ -7,16 +7,18 @@ and the entry points take the kernel path (not the torch reference) for any tens
 tensors (activations, weights, caches, pools) are meta tensors: shape, strides and dtype
 without storage, since a launch reads nothing else of them (real-size weights took 17 GB);
 the index tensors whose values the entry points read (lengths, slots, expert ids) are small
-real CPU tensors. Every
+real CPU tensors. A meta tensor's data_ptr() is its offset in bytes, so a launch is specialized
+(16-byte alignment of pointers, ints divisible by 16, ints equal to 1) exactly as Triton's JIT
+specializes the same launch of CUDA tensors, whose allocations are aligned. Every
 decision they make about a launch (tiles, splits, 16-bit tensor-core products) is the one they
 make on a GPU; the split count is computed for an H200's 132 multiprocessors. Each distinct
-launch is then compiled with `triton.compile` for target cuda sm_90, through Triton's own
+launch is then compiled with `triton.compile` for target cuda sm_90 with the signature,
+constexprs and tt.divisibility attributes Triton's binder gives it, through Triton's own
 ptxas, and its shared memory is compared with what one sm_90 block may use.
 
     python tests/hopper_compile.py      # prints one JSON object: {"launches": [...]}
 """
 
-import inspect
 import json
 import os
 import sys
@@ -25,18 +27,18 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.compiler.compiler import make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 from mtpkit.kernels import fp8_matmul, triton_conv, triton_fp8_matmul, triton_gdn, triton_paged  # noqa: E402
 from mtpkit.kernels import triton_elementwise, triton_moe  # noqa: E402
 
 SM90_SHARED = 227 * 1024  # the most shared memory one block may use on sm_90
 H200_SMS = 132
-TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
-         torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
-         torch.float8_e4m3fn: "fp8e4nv"}
+TARGET = GPUTarget("cuda", 90, 32)  # a Hopper GPU: compute capability 9.0, warps of 32
 
 
 def shaped(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -44,36 +46,26 @@ def shaped(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def _arg_type(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + TYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no Triton type for {type(value).__name__}")
-
-
 def record(calls) -> list[tuple]:
     """Run `calls` (thunks calling the entry points) with launches recorded: the distinct
-    (kernel, signature, constexprs, options) they make."""
+    (kernel, signature, constexprs, attrs, options) they make, specialized as a GPU launch of
+    the same arguments would be."""
     launches: dict[str, tuple] = {}
 
+    backend = make_backend(TARGET)
+
     def fake_run(self, *args, grid, warmup, **kwargs):
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-        bound = inspect.signature(self.fn).bind(*args, **kwargs)
-        bound.apply_defaults()
-        params = inspect.signature(self.fn).parameters
-        sig, const = {}, {}
-        for name, value in bound.arguments.items():
-            if "constexpr" in str(params[name].annotation) or value is None:
-                sig[name], const[name] = "constexpr", value
-            else:
-                sig[name] = _arg_type(value)
-        key = json.dumps([self.fn.__name__, sig, const, options], sort_keys=True)
-        launches[key] = (self, sig, const, options)
+        # Triton's own binder and packing, as JITFunction.run does on a GPU: pointers aligned to
+        # 16 bytes and ints divisible by 16 get tt.divisibility 16, ints equal to 1 become constexprs.
+        kwargs.update(debug=kwargs.get("debug", self.debug) or knobs.runtime.debug,
+                      instrumentation_mode=knobs.compilation.instrumentation_mode,
+                      fpsan_homomorphic_casts=knobs.compilation.fpsan_homomorphic_casts)
+        bound, specialization, opts = create_function_from_signature(self.signature, self.params, backend)(
+            *args, **kwargs)
+        options, sig, const, attrs = self._pack_args(backend, kwargs, bound, specialization, opts)
+        key = json.dumps([self.fn.__name__, sig, {str(k): repr(v) for k, v in const.items()},
+                          {str(k): v for k, v in attrs.items()}, repr(options)], sort_keys=True)
+        launches[key] = (self, sig, const, attrs, options)
 
     def kernel_path(module, *xs):  # what the entry points decide for CUDA tensors
         return any(x.dtype == torch.float64 for x in xs)
@@ -96,11 +88,18 @@ def record(calls) -> list[tuple]:
     return list(launches.values())
 
 
-def compile_sm90(fn: JITFunction, sig: dict, const: dict, options: dict) -> dict:
-    kernel = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                            options=options)
-    return dict(kernel=fn.fn.__name__, constexprs={k: v for k, v in const.items() if v is not None},
-                options=options, shared=kernel.metadata.shared, cubin_bytes=len(kernel.asm["cubin"]))
+def compile_sm90(fn: JITFunction, sig: dict, const: dict, attrs: dict, options) -> dict:
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=TARGET,
+                            options=options.__dict__)
+    return dict(kernel=fn.fn.__name__, constexprs=named(fn, const), options=dict(num_warps=options.num_warps),
+                shared=kernel.metadata.shared, cubin_bytes=len(kernel.asm["cubin"]),
+                divisible_args=kernel.asm["ttir"].count("tt.divisibility = 16"))   # as compiled
+
+
+def named(fn: JITFunction, const: dict) -> dict:
+    """The constexprs by parameter name (Triton keys them by argument path)."""
+    names = [p.name for p in fn.params]
+    return {names[k[0]]: v for k, v in const.items() if v is not None}
 
 
 # ---------------------------------------------------------------------------------------
@@ -235,12 +234,12 @@ def main() -> int:
     # 16-bit models use the tensor-core path; fp32 the IEEE fp32 products (larger tiles in shared memory)
     launches = record(calls(torch.bfloat16) + calls(torch.float32, bundles=(4,), prefill=False))
     results = []
-    for fn, sig, const, options in launches:
+    for fn, sig, const, attrs, options in launches:
         try:
-            results.append(compile_sm90(fn, sig, const, options))
+            results.append(compile_sm90(fn, sig, const, attrs, options))
         except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
-            results.append(dict(kernel=fn.fn.__name__, constexprs={k: v for k, v in const.items() if v is not None},
-                                options=options, error=f"{type(e).__name__}: {str(e)[-2000:]}"))
+            results.append(dict(kernel=fn.fn.__name__, constexprs=named(fn, const),
+                                options=dict(num_warps=options.num_warps), error=f"{type(e).__name__}: {str(e)[-2000:]}"))
     print(json.dumps({"launches": results, "sm90_shared": SM90_SHARED}))
     return 0
 
