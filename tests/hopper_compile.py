@@ -1,18 +1,24 @@
 """Compile mtpkit's Triton kernels for a Hopper GPU (sm_90) on a machine without one (helper
 of test_triton_compile.py, run as a script in a process without TRITON_INTERPRET).
 
-The entry points are called at real layer shapes on CPU tensors with two stand-ins: a kernel
+The entry points are called at real layer shapes with two stand-ins: a kernel
 "launch" records the kernel, its argument types, constexprs and num_warps instead of running,
-and the entry points take the kernel path (not the torch reference) for CPU tensors. Every
+and the entry points take the kernel path (not the torch reference) for any tensor. The data
+tensors (activations, weights, caches, pools) are meta tensors: shape, strides and dtype
+without storage, since a launch reads nothing else of them (real-size weights took 17 GB);
+the index tensors whose values the entry points read (lengths, slots, expert ids) are small
+real CPU tensors. A meta tensor's data_ptr() is its offset in bytes, so a launch is specialized
+(16-byte alignment of pointers, ints divisible by 16, ints equal to 1) exactly as Triton's JIT
+specializes the same launch of CUDA tensors, whose allocations are aligned. Every
 decision they make about a launch (tiles, splits, 16-bit tensor-core products) is the one they
 make on a GPU; the split count is computed for an H200's 132 multiprocessors. Each distinct
-launch is then compiled with `triton.compile` for target cuda sm_90, through Triton's own
+launch is then compiled with `triton.compile` for target cuda sm_90 with the signature,
+constexprs and tt.divisibility attributes Triton's binder gives it, through Triton's own
 ptxas, and its shared memory is compared with what one sm_90 block may use.
 
     python tests/hopper_compile.py      # prints one JSON object: {"launches": [...]}
 """
 
-import inspect
 import json
 import os
 import sys
@@ -21,50 +27,45 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.compiler.compiler import make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 from mtpkit.kernels import fp8_matmul, triton_conv, triton_fp8_matmul, triton_gdn, triton_paged  # noqa: E402
 from mtpkit.kernels import triton_elementwise, triton_moe  # noqa: E402
 
 SM90_SHARED = 227 * 1024  # the most shared memory one block may use on sm_90
 H200_SMS = 132
-TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
-         torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
-         torch.float8_e4m3fn: "fp8e4nv"}
+TARGET = GPUTarget("cuda", 90, 32)  # a Hopper GPU: compute capability 9.0, warps of 32
 
 
-def _arg_type(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + TYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no Triton type for {type(value).__name__}")
+def shaped(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A contiguous tensor of `shape` without storage: what a launch needs of a data tensor."""
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def record(calls) -> list[tuple]:
     """Run `calls` (thunks calling the entry points) with launches recorded: the distinct
-    (kernel, signature, constexprs, options) they make."""
+    (kernel, signature, constexprs, attrs, options) they make, specialized as a GPU launch of
+    the same arguments would be."""
     launches: dict[str, tuple] = {}
 
+    backend = make_backend(TARGET)
+
     def fake_run(self, *args, grid, warmup, **kwargs):
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-        bound = inspect.signature(self.fn).bind(*args, **kwargs)
-        bound.apply_defaults()
-        params = inspect.signature(self.fn).parameters
-        sig, const = {}, {}
-        for name, value in bound.arguments.items():
-            if "constexpr" in str(params[name].annotation) or value is None:
-                sig[name], const[name] = "constexpr", value
-            else:
-                sig[name] = _arg_type(value)
-        key = json.dumps([self.fn.__name__, sig, const, options], sort_keys=True)
-        launches[key] = (self, sig, const, options)
+        # Triton's own binder and packing, as JITFunction.run does on a GPU: pointers aligned to
+        # 16 bytes and ints divisible by 16 get tt.divisibility 16, ints equal to 1 become constexprs.
+        kwargs.update(debug=kwargs.get("debug", self.debug) or knobs.runtime.debug,
+                      instrumentation_mode=knobs.compilation.instrumentation_mode,
+                      fpsan_homomorphic_casts=knobs.compilation.fpsan_homomorphic_casts)
+        bound, specialization, opts = create_function_from_signature(self.signature, self.params, backend)(
+            *args, **kwargs)
+        options, sig, const, attrs = self._pack_args(backend, kwargs, bound, specialization, opts)
+        key = json.dumps([self.fn.__name__, sig, {str(k): repr(v) for k, v in const.items()},
+                          {str(k): v for k, v in attrs.items()}, repr(options)], sort_keys=True)
+        launches[key] = (self, sig, const, attrs, options)
 
     def kernel_path(module, *xs):  # what the entry points decide for CUDA tensors
         return any(x.dtype == torch.float64 for x in xs)
@@ -87,11 +88,18 @@ def record(calls) -> list[tuple]:
     return list(launches.values())
 
 
-def compile_sm90(fn: JITFunction, sig: dict, const: dict, options: dict) -> dict:
-    kernel = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                            options=options)
-    return dict(kernel=fn.fn.__name__, constexprs={k: v for k, v in const.items() if v is not None},
-                options=options, shared=kernel.metadata.shared, cubin_bytes=len(kernel.asm["cubin"]))
+def compile_sm90(fn: JITFunction, sig: dict, const: dict, attrs: dict, options) -> dict:
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=TARGET,
+                            options=options.__dict__)
+    return dict(kernel=fn.fn.__name__, constexprs=named(fn, const), options=dict(num_warps=options.num_warps),
+                shared=kernel.metadata.shared, cubin_bytes=len(kernel.asm["cubin"]),
+                divisible_args=kernel.asm["ttir"].count("tt.divisibility = 16"))   # as compiled
+
+
+def named(fn: JITFunction, const: dict) -> dict:
+    """The constexprs by parameter name (Triton keys them by argument path)."""
+    names = [p.name for p in fn.params]
+    return {names[k[0]]: v for k, v in const.items() if v is not None}
 
 
 # ---------------------------------------------------------------------------------------
@@ -103,15 +111,15 @@ def calls(dtype=torch.bfloat16, bundles=(1, 3, 4), prefill=True):
     out = []
     for B in bundles:  # 1 and 3: both query-tile heights (BM 16 and 32)
         R = 2
-        q, k = torch.zeros(R, B, hk, dk, dtype=dtype), torch.zeros(R, B, hk, dk, dtype=dtype)
-        v, a = torch.zeros(R, B, hv, dv, dtype=dtype), torch.zeros(R, B, hv, dtype=dtype)
-        pool = torch.zeros(1 + R * B, hv, dk, dv)
+        q, k = shaped(R, B, hk, dk, dtype=dtype), shaped(R, B, hk, dk, dtype=dtype)
+        v, a = shaped(R, B, hv, dv, dtype=dtype), shaped(R, B, hv, dtype=dtype)
+        pool = shaped(1 + R * B, hv, dk, dv)
         slots, acc = torch.zeros(R, B, dtype=torch.int64), torch.ones(R, dtype=torch.int64)
         out.append(lambda q=q, k=k, v=v, a=a, pool=pool, slots=slots, acc=acc: triton_gdn.gated_delta_rule_verify(
-            q, k, v, a, a, torch.zeros(hv), torch.zeros(hv), pool, slots, acc))
-        x, conv_pool = torch.zeros(R, B, C, dtype=dtype), torch.zeros(1 + R, C, W - 1 + B - 1, dtype=dtype)
+            q, k, v, a, a, shaped(hv), shaped(hv), pool, slots, acc))
+        x, conv_pool = shaped(R, B, C, dtype=dtype), shaped(1 + R, C, W - 1 + B - 1, dtype=dtype)
         out.append(lambda x=x, conv_pool=conv_pool: triton_conv.causal_conv1d_verify(
-            x, torch.zeros(C, W, dtype=dtype), conv_pool, torch.zeros(R, dtype=torch.int64),
+            x, shaped(C, W, dtype=dtype), conv_pool, torch.zeros(R, dtype=torch.int64),
             torch.ones(R, dtype=torch.int64)))
         # ... and Gemma 4's: 31B sliding (32 heads, 16 KV, window 1024) and full (4 KV heads of
         # 512); 26B-A4B's full layers (16 heads, 2 KV of 512) are the second shape; no softcap.
@@ -119,8 +127,8 @@ def calls(dtype=torch.bfloat16, bundles=(1, 3, 4), prefill=True):
                                              (16, 8, 256, 1024, 512, 30.0), (32, 16, 256, 4096, 1024, None),
                                              (32, 4, 512, 4096, None, None)):
             nb = ctx // 16
-            kc = torch.zeros(1 + R * nb, 16, KVH, D, dtype=dtype)
-            qa = torch.zeros(R, B, H, D, dtype=dtype)
+            kc = shaped(1 + R * nb, 16, KVH, D, dtype=dtype)
+            qa = shaped(R, B, H, D, dtype=dtype)
             out.append(lambda qa=qa, kc=kc, nb=nb, ctx=ctx, D=D, window=window, cap=cap:
                        triton_paged.paged_attention_verify(
                            qa, kc, kc, torch.full((R,), ctx, dtype=torch.int64),
@@ -128,18 +136,18 @@ def calls(dtype=torch.bfloat16, bundles=(1, 3, 4), prefill=True):
     # The fused MoE at Qwen3-Next's expert shapes (512 experts of 512 x 2048, top 10): one
     # token, one bundle of 4, eight and 64 bundles of 4.
     E, I, Hd, K = 512, 512, 2048, 10
-    w13, w_down = torch.zeros(E, 2 * I, Hd, dtype=dtype), torch.zeros(E, I, Hd, dtype=dtype)
+    w13, w_down = shaped(E, 2 * I, Hd, dtype=dtype), shaped(E, I, Hd, dtype=dtype)
     for T in (1, 4, 32, 256):   # 256: 64 bundles of 4, tiles of 64 tokens
         out.append(lambda T=T: triton_moe.moe_experts(
-            torch.zeros(T, Hd, dtype=dtype), w13, w_down, torch.arange(T * K).view(T, K) % E,
-            torch.zeros(T, K, dtype=dtype)))
+            shaped(T, Hd, dtype=dtype), w13, w_down, torch.arange(T * K).view(T, K) % E,
+            shaped(T, K, dtype=dtype)))
     # Gemma 4 26B-A4B's experts (128 of 704 x 2816, top 8, gelu_tanh): a bundle of 4, 8 bundles.
     E, I, Hd, K = 128, 704, 2816, 8
-    g13, g_down = torch.zeros(E, 2 * I, Hd, dtype=dtype), torch.zeros(E, I, Hd, dtype=dtype)
+    g13, g_down = shaped(E, 2 * I, Hd, dtype=dtype), shaped(E, I, Hd, dtype=dtype)
     for T in (4, 32):
         out.append(lambda T=T: triton_moe.moe_experts(
-            torch.zeros(T, Hd, dtype=dtype), g13, g_down, torch.arange(T * K).view(T, K) % E,
-            torch.zeros(T, K, dtype=dtype), "gelu_tanh"))
+            shaped(T, Hd, dtype=dtype), g13, g_down, torch.arange(T * K).view(T, K) % E,
+            shaped(T, K, dtype=dtype), "gelu_tanh"))
     out += glue_calls(dtype)
     if not prefill:
         return out
@@ -147,18 +155,19 @@ def calls(dtype=torch.bfloat16, bundles=(1, 3, 4), prefill=True):
     T, R = 64, 2
     qsl = torch.tensor([0, 32, 64])
     out.append(lambda: triton_gdn.gated_delta_rule_prefill(
-        torch.zeros(T, hk, dk, dtype=dtype), torch.zeros(T, hk, dk, dtype=dtype), torch.zeros(T, hv, dv, dtype=dtype),
-        torch.zeros(T, hv, dtype=dtype), torch.zeros(T, hv, dtype=dtype), torch.zeros(hv), torch.zeros(hv),
-        torch.zeros(1 + R, hv, dk, dv), qsl, torch.tensor([1, 2]), torch.tensor([1, 2]),
+        shaped(T, hk, dk, dtype=dtype), shaped(T, hk, dk, dtype=dtype), shaped(T, hv, dv, dtype=dtype),
+        shaped(T, hv, dtype=dtype), shaped(T, hv, dtype=dtype), shaped(hv), shaped(hv),
+        torch.zeros(1 + R, hv, dk, dv), qsl, torch.tensor([1, 2]), torch.tensor([1, 2]),   # real: its initial
+        # states are gathered with the (CPU) slots; three states are 6 MB
         torch.zeros(R, dtype=torch.bool)))
     out.append(lambda: triton_conv.causal_conv1d_prefill(
-        torch.zeros(T, C, dtype=dtype), torch.zeros(C, W, dtype=dtype), torch.zeros(1 + R, C, W - 1 + 3, dtype=dtype),
+        shaped(T, C, dtype=dtype), shaped(C, W, dtype=dtype), shaped(1 + R, C, W - 1 + 3, dtype=dtype),
         qsl, torch.tensor([1, 2]), torch.ones(R, dtype=torch.bool)))
     for D, q_len, H, KVH, window in ((256, 32, 16, 2, None), (256, 2048, 16, 2, None), (512, 32, 16, 2, None),
                                      (256, 2048, 32, 16, 1024), (512, 2048, 32, 4, None)):   # the last two: Gemma 4 31B
-        kc = torch.zeros(1 + 256, 16, KVH, D, dtype=dtype)
+        kc = shaped(1 + 256, 16, KVH, D, dtype=dtype)
         out.append(lambda kc=kc, D=D, q_len=q_len, H=H, window=window: triton_paged.paged_attention_prefill(
-            torch.zeros(2 * q_len, H, D, dtype=dtype), kc, kc, torch.tensor([0, q_len, 2 * q_len]),
+            shaped(2 * q_len, H, D, dtype=dtype), kc, kc, torch.tensor([0, q_len, 2 * q_len]),
             torch.tensor([q_len, q_len]), torch.zeros(2, 128, dtype=torch.int64), D ** -0.5, window))
     return out
 
@@ -172,16 +181,16 @@ def glue_calls(dtype, tokens=(1, 32)):
     out = []
     for T in tokens:
         for H in (2048, 2816, 5376):
-            x, w, s = torch.zeros(T, H, dtype=dtype), torch.zeros(H, dtype=dtype), torch.ones(1, dtype=dtype)
+            x, w, s = shaped(T, H, dtype=dtype), shaped(H, dtype=dtype), shaped(1, dtype=dtype)
             out += [lambda x=x, w=w: g.rms_norm(x, w, 1e-6, True),
                     lambda x=x, w=w: g.add_rms_norm(x, x, w, 1e-6, True),
                     lambda x=x, w=w: g.norm_add_rms_norm(x, x, w, w, 1e-6),
                     lambda x=x, w=w, s=s: g.norm_add(x, x, w, 1e-6, s),
                     lambda x=x, w=w: g.norm_add(x, x, w, 1e-6, None)]
-        o, z = torch.zeros(T, 32, 128, dtype=dtype), torch.zeros(T, 64, 128, dtype=dtype)[:, :32]
-        out.append(lambda o=o, z=z: g.gated_rms_norm(o, z, torch.ones(128, dtype=dtype), 1e-6))
+        o, z = shaped(T, 32, 128, dtype=dtype), shaped(T, 64, 128, dtype=dtype)[:, :32]
+        out.append(lambda o=o, z=z: g.gated_rms_norm(o, z, shaped(128, dtype=dtype), 1e-6))
         for N, act, row_gate in ((512, "silu", True), (4096, "sigmoid", False), (21504, "gelu_tanh", False)):
-            h = torch.zeros(T, 2 * N + 1, dtype=dtype)
+            h = shaped(T, 2 * N + 1, dtype=dtype)
             out.append(lambda h=h, N=N, act=act, rg=row_gate: g.act_mul(h[:, :N], h[:, N:2 * N], act,
                                                                           h[:, 2 * N:] if rg else None))
     return out
@@ -199,8 +208,8 @@ def fp8_calls(dtype):
     fp8, block, out = torch.float8_e4m3fn, (128, 128), []
 
     def linear(M, N, K, rows=None):
-        xq, xs = fp8_matmul.quantize_activation(torch.zeros(M, K), 128)
-        wq, ws = torch.zeros(N, K, dtype=fp8), torch.ones(-(-N // 128) + (rows is not None), -(-K // 128))
+        xq, xs = fp8_matmul.quantize_activation(shaped(M, K), 128)
+        wq, ws = shaped(N, K, dtype=fp8), shaped(-(-N // 128) + (rows is not None), -(-K // 128))
         return lambda: triton_fp8_matmul.fp8_block_matmul(xq, xs, wq, ws, block, dtype, rows)
 
     for M in (4, 2048):
@@ -208,10 +217,10 @@ def fp8_calls(dtype):
         out.append(linear(M, 128, 2048, torch.tensor([0] * 64 + [1] * 64, dtype=torch.int32)))
 
     def batched(B, M, E, N, K, experts=None, rows=None, out_dtype=dtype):
-        xq, xs = fp8_matmul.quantize_activation(torch.zeros(M, K), 128)
+        xq, xs = fp8_matmul.quantize_activation(shaped(M, K), 128)
         xq, xs = xq[None].expand(B, M, K), xs[None].expand(B, M, xs.shape[1])
-        wq = torch.zeros(E, N, K, dtype=fp8)
-        ws = torch.ones(E, -(-N // 128) + (rows is not None), -(-K // 128))
+        wq = shaped(E, N, K, dtype=fp8)
+        ws = shaped(E, -(-N // 128) + (rows is not None), -(-K // 128))
         return lambda: triton_fp8_matmul.fp8_batched_matmul(xq, xs, wq, ws, block, out_dtype, experts, rows)
 
     pairs = torch.arange(40) % 512
@@ -225,12 +234,12 @@ def main() -> int:
     # 16-bit models use the tensor-core path; fp32 the IEEE fp32 products (larger tiles in shared memory)
     launches = record(calls(torch.bfloat16) + calls(torch.float32, bundles=(4,), prefill=False))
     results = []
-    for fn, sig, const, options in launches:
+    for fn, sig, const, attrs, options in launches:
         try:
-            results.append(compile_sm90(fn, sig, const, options))
+            results.append(compile_sm90(fn, sig, const, attrs, options))
         except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
-            results.append(dict(kernel=fn.fn.__name__, constexprs={k: v for k, v in const.items() if v is not None},
-                                options=options, error=f"{type(e).__name__}: {str(e)[-2000:]}"))
+            results.append(dict(kernel=fn.fn.__name__, constexprs=named(fn, const),
+                                options=dict(num_warps=options.num_warps), error=f"{type(e).__name__}: {str(e)[-2000:]}"))
     print(json.dumps({"launches": results, "sm90_shared": SM90_SHARED}))
     return 0
 

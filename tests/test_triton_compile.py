@@ -11,17 +11,48 @@ through Triton's own ptxas
 (tests/hopper_compile.py, in a process without TRITON_INTERPRET). Compiling says nothing about
 the numbers: on an H200 the same kernels (all but the FP8 matmul, added later) passed test_triton_kernels.py natively
 (benchmarks/gpu_kernels.py, results in benchmarks/results/).
+
+The compile process must stay small (under MAX_RSS): a launch needs its arguments' dtypes,
+strides and constexprs, not real-size tensors (real-size weights once took it to 17 GB, which
+a 16 GB machine kills).
 """
 
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
+MAX_RSS = 3 * 2 ** 30   # bytes: what one test process may need
+
+
+def run_measured(cmd: list[str], env: dict, timeout: float) -> tuple[int, str, str, int]:
+    """(returncode, stdout, stderr, peak resident bytes) of `cmd`. The peak is this child's own
+    (os.wait4), with the processes it waited for (ptxas), not the largest of every child the
+    test process ever had (RUSAGE_CHILDREN)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
+        deadline = time.monotonic() + timeout
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+                os.wait4(proc.pid, 0)
+                proc.returncode = -9
+                pytest.fail(f"{cmd} ran past {timeout} s")
+            time.sleep(0.2)
+        proc.returncode = os.waitstatus_to_exitcode(status)   # reaped here, not by Popen
+        out.seek(0)
+        err.seek(0)
+        unit = 1 if sys.platform == "darwin" else 1024   # ru_maxrss: bytes on macOS, KiB on Linux
+        return proc.returncode, out.read(), err.read(), usage.ru_maxrss * unit
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +60,9 @@ def compiled():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent)] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, str(HERE / "hopper_compile.py")], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    returncode, stdout, stderr, peak = run_measured([sys.executable, str(HERE / "hopper_compile.py")], env, 600)
+    assert returncode == 0, f"peak RSS {peak / 2 ** 30:.2f} GiB\n{stderr[-4000:]}"
+    return dict(json.loads(stdout.strip().splitlines()[-1]), peak_rss=peak)
 
 
 @pytest.mark.slow
@@ -51,6 +81,12 @@ def test_every_launch_compiles_for_sm90(compiled):
 
 
 @pytest.mark.slow
+def test_compiling_stays_under_the_memory_limit(compiled):
+    peak = compiled["peak_rss"]
+    assert 0 < peak < MAX_RSS, f"hopper_compile.py peaked at {peak / 2 ** 30:.2f} GiB resident (limit {MAX_RSS / 2 ** 30:.0f} GiB)"
+
+
+@pytest.mark.slow
 def test_every_launch_fits_sm90_shared_memory(compiled):
     limit = compiled["sm90_shared"]
     over = [r for r in compiled["launches"] if r.get("shared", 0) > limit]
@@ -59,7 +95,10 @@ def test_every_launch_fits_sm90_shared_memory(compiled):
 
 @pytest.mark.slow
 def test_launches_take_the_gpu_decisions(compiled):
-    """The recorded launches are the GPU's: 16-bit attention on the tensor cores, split KV."""
+    """The recorded launches are the GPU's: 16-bit attention on the tensor cores, split KV, and
+    compiled as the JIT specializes them for CUDA tensors (aligned pointers marked divisible by
+    16, which changes the code and its shared memory)."""
+    assert all(r["divisible_args"] > 0 for r in compiled["launches"] if "error" not in r)
     paged = [r for r in compiled["launches"] if r["kernel"] == "_paged_verify_kernel"]
     assert any(r["constexprs"]["NATIVE"] for r in paged)
     assert any(not r["constexprs"]["DOT16"] for r in paged)   # the fp32 path too
