@@ -176,6 +176,7 @@ def gemma4_config(name: str, layers: int, vocab: int | None) -> dict:
         raw["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     if vocab:
         raw["vocab_size"] = vocab
+        raw["eos_token_id"] = None   # the real eos id lies outside a shrunk vocabulary
         if raw.get("hidden_size_per_layer_input"):
             raw["vocab_size_per_layer_input"] = vocab
     return raw

@@ -42,8 +42,9 @@ def qwen_config(layers: int, experts: int, vocab: int, tiny: bool) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from roofline_configs import qwen3_next_config
     raw = qwen3_next_config(layers, experts)
+    # eos None: the real eos id lies outside a shrunk vocabulary (a ConfigError).
     raw.update(vocab_size=vocab, layer_types=["linear_attention"] * (layers - 1) + ["full_attention"],
-               num_nextn_predict_layers=1, max_position_embeddings=4096)
+               num_nextn_predict_layers=1, max_position_embeddings=4096, eos_token_id=None)
     raw.pop("full_attention_interval")
     if tiny:
         raw.update(hidden_size=256, num_attention_heads=4, head_dim=64, linear_num_key_heads=2,

@@ -264,6 +264,7 @@ def configs(args) -> tuple[dict, dict | None]:
         else gemma4_config(args.model, args.layers, args.vocab))
     if args.vocab and args.config is None and args.model == "qwen3-next":
         cfg["vocab_size"] = args.vocab
+        cfg["eos_token_id"] = None   # the real eos id lies outside a shrunk vocabulary
     gemma = cfg.get("model_type") in ("gemma4", "gemma4_text")
     if not gemma or args.num_spec == 0:
         if args.assistant_config:

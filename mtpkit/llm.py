@@ -29,6 +29,7 @@ from mtpkit.text.stop_strings import StopStringMatcher, cut_at_stop
 from mtpkit.text.tokenizer import load_tokenizer
 
 Prompt = str | Sequence[int]
+MAX_LISTED = 20   # bad prompts listed in one error (then a count)
 
 
 @dataclasses.dataclass
@@ -202,13 +203,17 @@ class LLM:
         problems, valid = {}, {}
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
-                valid[i] = self._validate(p, sp, f"prompt {i}")
+                valid[i] = self._validate(p, sp, "prompt" if len(prompts) == 1 else f"prompt {i}")
             except InputError as e:
                 problems[i] = str(e)
         if problems and errors == "raise":
-            raise InputError("; ".join(problems.values()) + (
-                "" if len(prompts) == 1 else " (nothing was run; pass errors='return' to run the valid "
-                "prompts and get the errors back as outputs)"))
+            if len(prompts) == 1:
+                raise InputError(problems[0])
+            shown = list(problems.values())[:MAX_LISTED]
+            more = len(problems) - len(shown)
+            raise InputError(f"{len(problems)} of {len(prompts)} prompts are bad; nothing was run (pass "
+                             "errors='return' to run the valid prompts and get the errors back as outputs):\n  "
+                             + "\n  ".join(shown) + (f"\n  ... and {more} more" if more else ""))
         reqs = {}
         try:
             for i, (ids, sp) in valid.items():
@@ -309,7 +314,7 @@ class LLM:
         if self.tokenizer is not None:
             text = cut_at_stop(self.tokenizer.decode(r.output_token_ids), r.params.stop)
         return RequestOutput(r.req_id, list(r.prompt_token_ids), list(r.output_token_ids), text,
-                             r.finish_reason, r.stats, None, r.num_preemptions,
+                             r.finish_reason, r.stats, r.error, r.num_preemptions,
                              list(r.token_steps), list(r.token_draft_positions), self.tokenizer)
 
     def _error_output(self, prompt, msg: str) -> RequestOutput:
@@ -317,7 +322,29 @@ class LLM:
             ids = [] if isinstance(prompt, str) else id_sequence(prompt, "")
         except InputError:
             ids = []
-        return RequestOutput(-1, ids, [], None, "error", SpecStats(), msg)
+        return RequestOutput(self.engine.next_id(), ids, [], "", "error", SpecStats(), msg)
+
+    # ---- closing --------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the engine now (its requests are aborted, its caches and graphs dropped) and
+        give back torch's process-wide thread count if this LLM changed it (a small model
+        sets 1 thread on CPU: see EngineArgs.num_threads). Also done when the LLM is
+        collected, or at the end of `with LLM(...) as llm:`. Calls after close raise."""
+        engine = self.__dict__.get("engine")
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:   # noqa: BLE001 - interpreter shutdown: nothing left to give back
+            pass
 
     # ---- scoring --------------------------------------------------------------------
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:

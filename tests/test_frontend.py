@@ -88,6 +88,7 @@ def test_corrupt_tokenizer_json_named_before_the_weights_load(tiny_copy, content
 def test_tokenizer_larger_than_the_model_vocab(tiny_copy, no_weights):
     cfg = json.loads((tiny_copy / "config.json").read_text())
     cfg["vocab_size"] = 200
+    cfg["eos_token_id"] = 0   # inside the smaller vocabulary: the tokenizer is what does not fit
     (tiny_copy / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError) as ei:
         LLM(tiny_copy)

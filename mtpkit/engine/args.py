@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mtpkit.config import MAX_NUM_SPEC
+from mtpkit.sampling.params import MAX_SEED
 from mtpkit.errors import ConfigError
 
 LOAD_FORMATS = ("safetensors", "dummy")
@@ -86,6 +87,8 @@ def check_args(a: EngineArgs) -> None:
             raise ConfigError(f"{name}={v!r} must be an int")
     if a.keep_fp8 is not None and not isinstance(a.keep_fp8, bool):
         raise ConfigError(f"keep_fp8={a.keep_fp8!r} must be True, False or None (None: keep FP8 weights on CUDA)")
+    if not 0 <= a.seed <= MAX_SEED:
+        raise ConfigError(f"seed={a.seed} must be in 0..2**64-1 (the range SamplingParams.seed takes)")
     if a.num_threads is not None and a.num_threads < 1:
         raise ConfigError(f"num_threads={a.num_threads} must be >= 1")
     n = a.num_spec

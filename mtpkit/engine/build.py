@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 
 from mtpkit.checkpoint.hub import resolve_model
+from mtpkit.checkpoint.loader import checkpoint_fp8
 from mtpkit.config import EngineConfig, resolve_device, resolve_dtype
 from mtpkit.engine import memory_plan
 from mtpkit.engine.args import EngineArgs, check_args, check_load_format
 from mtpkit.engine.engine import Engine
-from mtpkit.engine.pool_sizing import PoolSizes, kv_pool_sizes, plan_memory, size_pools
+from mtpkit.engine.pool_sizing import PoolSizes, check_pools_fit, kv_pool_sizes, plan_memory, size_pools
 from mtpkit.errors import ConfigError
 from mtpkit.graphs.plan import build_capture_plan
 from mtpkit.models.registry import ModelFamily, read_config
@@ -53,6 +54,10 @@ def build_engine(ckpt: Checkpoint, args: EngineArgs) -> Engine:
     device = resolve_device(a.device)
     dtype = resolve_dtype(a.dtype, device, cfg.torch_dtype)
     check_args(a)
+    if a.keep_fp8 and checkpoint_fp8(ckpt.path) is None:
+        raise ConfigError(f"keep_fp8=True (--fp8-weights keep): {ckpt.path} has no FP8 weights (its config.json has no "
+                          "quantization_config with quant_method 'fp8'), so there is nothing to keep; leave keep_fp8 "
+                          "unset")
     draft = setup_drafter(ckpt.family, cfg, ckpt.path, num_spec=a.num_spec, draft_model=a.draft_model,
                           block_size=a.block_size, load_format=a.load_format)
     tp = tensor_parallel(ckpt, draft, a.tensor_parallel_size, device)
@@ -81,12 +86,13 @@ def build_engine(ckpt: Checkpoint, args: EngineArgs) -> Engine:
     capture_plan = build_capture_plan(num_spec=a.num_spec, max_num_seqs=a.max_num_seqs,
                                       max_state_reqs=max_state_reqs, graph_sizes=a.graph_sizes,
                                       cudagraph_capture_sizes=a.cudagraph_capture_sizes)
+    check_pools_fit(spec, ecfg, sizes, dtype, device)
     model, drafter, cache = load_weights(ckpt, draft, a, tp, device, dtype, spec, sizes)
     engine = Engine(model=model, drafter=drafter, draft=draft, family=ckpt.family, model_config=cfg, tp=tp,
                     device=device, dtype=dtype, engine_config=ecfg, cache_spec=spec, capture_plan=capture_plan, cache=cache,
                     pool_sizes=sizes, memory_plan=plan, enforce_eager=a.enforce_eager,
                     recycle_sliding_kv=a.recycle_sliding_kv, seed=a.seed)
-    set_cpu_threads(model, device, a.num_threads)
+    engine.threads_changed = set_cpu_threads(model, device, a.num_threads)
     if plan is not None:
         if device.type == "cuda":  # activations measured, then the pools at their planned sizes
             resize_to_measured(engine, budget, meta)
@@ -152,16 +158,20 @@ def load_weights(ckpt: Checkpoint, draft: DraftSetup | None, a: EngineArgs, tp: 
     return model, drafter, cache
 
 
-def set_cpu_threads(model: torch.nn.Module, device: torch.device, num_threads: int | None) -> None:
+def set_cpu_threads(model: torch.nn.Module, device: torch.device, num_threads: int | None) -> tuple[int, int] | None:
     """torch's intra-op threads on CPU: `num_threads`, else 1 for models under 50M parameters
     (their ops are too small to gain from threads, and they slow down many times over when
-    another process holds a core), else torch's default."""
+    another process holds a core), else torch's default. The setting is process-wide: returns
+    (the count before, the count set) when it changed it, for `Engine.close` to restore."""
     if device.type != "cpu":
-        return
+        return None
     params = sum(p.numel() for p in model.parameters())
     threads = num_threads if num_threads is not None else (1 if params < 50_000_000 else None)
     if threads is not None and threads != torch.get_num_threads():
+        before = torch.get_num_threads()
         torch.set_num_threads(threads)
+        return before, threads
+    return None
 
 
 def resize_to_measured(engine: Engine, budget: tuple[int, str], meta: list[torch.nn.Module]) -> None:

@@ -44,7 +44,31 @@ class Engine:
         self.enforce_eager, self.recycle_sliding_kv = enforce_eager, recycle_sliding_kv
         self.stats = SpecStats(num_spec=engine_config.num_spec)
         self._ids = itertools.count()
+        self.threads_changed: tuple[int, int] | None = None   # (before, set): build.set_cpu_threads
+        self.closed = False
         self._assemble(cache, pool_sizes)
+
+    def next_id(self) -> int:
+        """A request id never given before (refused prompts get one too: every output's id is unique)."""
+        return next(self._ids)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise InputError("this LLM was closed (LLM.close, or the end of its `with` block); create a new one")
+
+    def close(self) -> None:
+        """Abort what is queued or running, drop the caches and the captured steps, and give back
+        torch's thread count if this engine changed it and nothing changed it since. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.abort(list(self.scheduler.waiting) + list(self.scheduler.running))
+        if self.threads_changed is not None:
+            before, set_to = self.threads_changed
+            if torch.get_num_threads() == set_to:
+                torch.set_num_threads(before)
+            self.threads_changed = None
+        del self.runner, self.cache
 
     def _assemble(self, cache: CacheTensors, sizes: PoolSizes) -> None:
         """The pools over `cache` at `sizes`, the scheduler lending them, the runner on them."""
@@ -74,7 +98,8 @@ class Engine:
             stop_matcher: StopStringMatcher | None = None) -> Request:
         """Queue a validated request (prompt ids in the vocabulary, within max_model_len with
         its max_tokens; params normalized and validated)."""
-        rid = next(self._ids)
+        self._check_open()
+        rid = self.next_id()
         # A random request's tokens are drawn from noise keyed by (seed, token position)
         # (mtpkit.sampling.sampler): without a seed of its own it gets a fixed one from the
         # engine's seed and its id, so it too is reproducible under preemption.
@@ -89,6 +114,7 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Run one step; returns the requests it advanced."""
+        self._check_open()
         plan = self.scheduler.schedule()
         if plan is None:
             return []
@@ -121,6 +147,7 @@ class Engine:
         """fp32 logits [seq, vocab] of every position of one sequence of vocabulary ids, through
         the (chunked) prefill path, on blocks and slots of the engine's pools that it holds for
         the call."""
+        self._check_open()
         ecfg = self.engine_config
         if len(ids) > ecfg.max_model_len:
             raise InputError(f"score: {len(ids)} tokens exceed max_model_len={ecfg.max_model_len}")

@@ -173,3 +173,45 @@ def plan_memory(budget: tuple[int, str], spec: CacheSpec, ecfg: EngineConfig, dt
                       activation_source=source, spec=spec, block_size=ecfg.block_size, dtype=dtype,
                       max_blocks=ecfg.max_blocks, bundle=ecfg.bundle, max_num_seqs=ecfg.max_num_seqs,
                       max_model_len=ecfg.max_model_len, source=budget[1], sliding_blocks=sliding)
+
+
+def pool_bytes(spec: CacheSpec, sizes: PoolSizes, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes allocate_cache takes for these sizes: every pool's blocks and the state slots."""
+    kv = sum(sizes.kv[p.name] * p.bytes_per_block(block_size, dtype) for p in spec.pools)
+    return kv + (sizes.state_slots or 0) * spec.bytes_per_slot(dtype)
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes the caches could take now: free device memory on CUDA; on CPU the host's available
+    memory (MemAvailable; None where the system does not say)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import os
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_pools_fit(spec: CacheSpec, ecfg: EngineConfig, sizes: PoolSizes, dtype: torch.dtype,
+                    device: torch.device, available: int | None = None) -> None:
+    """Before allocating: pools larger than the memory there is are a ConfigError with the
+    numbers and the fix, not an allocation the kernel kills the process for."""
+    need = pool_bytes(spec, sizes, ecfg.block_size, dtype)
+    have = available_memory(device) if available is None else available
+    if have is None or need <= have:
+        return
+    where = "free GPU memory" if device.type == "cuda" else "available host memory"
+    raise ConfigError(
+        f"the KV and state pools need {gib(need)} ({sizes.kv} KV blocks of {ecfg.block_size} tokens"
+        + (f", {sizes.state_slots} state slots" if sizes.state_slots else "") + f"), more than the {gib(have)} of "
+        f"{where}; lower max_num_seqs={ecfg.max_num_seqs} or max_model_len={ecfg.max_model_len} (the default "
+        "pools hold max_num_seqs requests at max_model_len), or size the pools explicitly (num_blocks, "
+        "kv_cache_memory, memory_budget)")

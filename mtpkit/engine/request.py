@@ -88,6 +88,7 @@ class Request:
     prev_num_emitted: int = 1      # tokens the previous step emitted (a >= 1): selects the state to read
     drafts: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None           # why it ended with finish_reason "error"
     num_preemptions: int = 0
     stats: SpecStats = dataclasses.field(default_factory=SpecStats)
     stop_matcher: StopStringMatcher | None = None   # when params.stop is set

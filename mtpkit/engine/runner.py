@@ -81,9 +81,14 @@ class ModelRunner:
             tokens, _ = rejection_sample(logits, empty, torch.zeros(len(finishing), dtype=torch.int64,
                                                                     device=self.device),
                                          sampling, [r.seed for r in finishing_reqs], [r.prefill_target for r in finishing_reqs])
-            sampled = self.tp.broadcast(tokens[:, 0].contiguous()).tolist()
-            for i, token in zip(finishing, sampled):
+            bad = (~torch.isfinite(logits).all(-1).all(-1)).long()
+            out = self.tp.broadcast(torch.stack([tokens[:, 0], bad], dim=1).contiguous()).tolist()
+            sampled = [t for t, _ in out]
+            for i, (token, nonfinite) in zip(finishing, out):
                 results[i].emitted = [token]
+                if nonfinite:
+                    r = reqs[i]
+                    results[i].error = non_finite(r, "the prefill", r.prefill_target - 1)
         if self.drafter is not None:
             # The token after each position: the next prompt token, or for a finished prompt
             # the token just sampled (a non-final chunk's last position sees the next chunk's first).
@@ -135,10 +140,16 @@ class ModelRunner:
         # Bundle index j samples the token at position num_computed + 1 + j.
         tokens, num_emitted = rejection_sample(logits, drafts, limit, sampling, [r.seed for r in reqs],
                                           [r.num_computed + 1 for r in reqs])
-        if self.tp.size > 1:  # one broadcast for both
-            both = self.tp.broadcast(torch.cat([tokens, num_emitted[:, None]], dim=1))
+        # A row whose logits are not finite where they decide its tokens (NaN / inf weights or
+        # activations) ends its request with an error; the other rows go on.
+        used = torch.arange(B, device=self.device) <= limit[:, None]
+        bad = (~(torch.isfinite(logits).all(-1) | ~used).all(-1)).long()
+        both = torch.cat([tokens, num_emitted[:, None], bad[:, None]], dim=1)
+        if self.tp.size > 1:  # one broadcast for all three
+            both = self.tp.broadcast(both)
             tokens, num_emitted = both[:, :B], both[:, B]
-        emitted_counts, tok_list = num_emitted.tolist(), tokens.tolist()
+        rows_out = both.tolist()
+        tok_list, emitted_counts = [x[:B] for x in rows_out], [x[B] for x in rows_out]
         new_drafts = [[] for _ in reqs]
         if self.drafter is not None:
             if self.graphs is not None:
@@ -147,4 +158,15 @@ class ModelRunner:
                 drafts_out = self.bodies.propose(meta.max_seq_len, hidden, tokens.reshape(-1), num_emitted, *step,
                                                  self.cache)
             new_drafts = self.tp.broadcast(drafts_out[:R].contiguous()).tolist()
-        return [ReqResult(tok_list[i][:emitted_counts[i]], emitted_counts[i], limit_list[i], new_drafts[i]) for i in range(R)]
+        results = [ReqResult(tok_list[i][:emitted_counts[i]], emitted_counts[i], limit_list[i], new_drafts[i])
+                   for i in range(R)]
+        for i, x in enumerate(rows_out):
+            if x[B + 1]:
+                results[i].error = non_finite(reqs[i], f"verify step {reqs[i].num_steps}", reqs[i].num_computed)
+        return results
+
+
+def non_finite(r, step: str, position: int) -> str:
+    return (f"the model's logits were not finite (NaN or inf) at {step} of request {r.req_id} (position "
+            f"{position}); its weights or activations overflowed: check the checkpoint (non-finite weights "
+            "are refused at load) and the dtype (float32 or bfloat16 rather than float16)")

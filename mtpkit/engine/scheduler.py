@@ -45,6 +45,7 @@ class ReqResult:
     num_emitted: int                 # VERIFY: tokens of the bundle emitted (accepted drafts + 1)
     drafted: int                     # VERIFY: drafts that could have been accepted
     drafts: list[int]                # proposals for the next verify step
+    error: str | None = None         # the request cannot go on (non-finite logits): it ends with this
 
 
 class Scheduler:
@@ -213,6 +214,11 @@ class Scheduler:
         for i, (r, res) in enumerate(zip(plan.reqs, results)):
             if r.status == Status.FINISHED:
                 continue  # aborted while its step ran (a stream collected by gc mid-step)
+            if res.error is not None:
+                r.error = res.error
+                self.finish(r, "error")
+                finished.append(r)
+                continue
             if plan.kind == StepKind.PREFILL:
                 r.num_computed += plan.chunk_lens[i]
                 if r.in_prefill:
