@@ -26,6 +26,34 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import oracle as O  # noqa: E402
 
 
+def _libc():
+    """glibc, set to return freed tensor memory to the system: large blocks always mmap'd (a
+    fixed M_MMAP_THRESHOLD; glibc's default raises it as blocks are freed, and then keeps them in
+    a heap that only grows), so the suite's one process stays near what its live tests hold
+    instead of growing to the sum of their peaks (README: the suite's peak memory)."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)     # M_MMAP_THRESHOLD = 1 MiB
+        return libc
+    except (OSError, AttributeError):   # not glibc: nothing to tune
+        return None
+
+
+_LIBC = _libc()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _give_back_memory():
+    """After each test file: collect what its tests left (models, engines in reference cycles)
+    and hand the freed heap back (malloc_trim)."""
+    yield
+    import gc
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _single_thread():
     with O.single_thread():

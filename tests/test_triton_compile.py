@@ -26,33 +26,52 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 HERE = Path(__file__).resolve().parent
 MAX_RSS = 3 * 2 ** 30   # bytes: what one test process may need
 
 
+# The child runs under a small launcher: a process forked straight from this test process would
+# report this process's high-water mark as its own (Linux keeps the RSS high-water of the mm a
+# child was forked with across exec), so the launcher, exec'd first, forks the measured child
+# from an image of its own size and reads its peak with os.wait4.
+_LAUNCH = ("import os, subprocess, sys\n"
+           "p = subprocess.Popen(sys.argv[2:])\n"
+           "_, status, usage = os.wait4(p.pid, 0)\n"
+           "open(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
+           "sys.exit(os.waitstatus_to_exitcode(status))\n")
+
+
 def run_measured(cmd: list[str], env: dict, timeout: float) -> tuple[int, str, str, int]:
-    """(returncode, stdout, stderr, peak resident bytes) of `cmd`. The peak is this child's own
-    (os.wait4), with the processes it waited for (ptxas), not the largest of every child the
-    test process ever had (RUSAGE_CHILDREN)."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
-        deadline = time.monotonic() + timeout
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() > deadline:
-                proc.kill()
-                os.wait4(proc.pid, 0)
-                proc.returncode = -9
-                pytest.fail(f"{cmd} ran past {timeout} s")
-            time.sleep(0.2)
-        proc.returncode = os.waitstatus_to_exitcode(status)   # reaped here, not by Popen
+    """(returncode, stdout, stderr, peak resident bytes) of `cmd`: its own peak, with the
+    processes it waited for (ptxas), not this test process's nor any other child's."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, \
+            tempfile.NamedTemporaryFile("r") as peak:
+        proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, peak.name, *cmd], stdout=out, stderr=err,
+                                text=True, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            pytest.fail(f"{cmd} ran past {timeout} s")
         out.seek(0)
         err.seek(0)
+        text = peak.read().strip()
         unit = 1 if sys.platform == "darwin" else 1024   # ru_maxrss: bytes on macOS, KiB on Linux
-        return proc.returncode, out.read(), err.read(), usage.ru_maxrss * unit
+        return proc.returncode, out.read(), err.read(), int(text or 0) * unit
+
+
+def test_the_measure_is_the_childs_own():
+    """A child forked from a process holding 1 GiB reports that GiB unless launched apart."""
+    big = torch.ones(2 ** 28)    # 1 GiB resident here
+    code, _, _, peak = run_measured([sys.executable, "-c", "pass"], dict(os.environ), 60)
+    assert code == 0 and 0 < peak < 200 * 2 ** 20, peak
+    code, _, _, peak = run_measured([sys.executable, "-c", "import sys; b = bytearray(300 * 2**20); sys.exit(3)"],
+                                    dict(os.environ), 60)
+    assert code == 3 and peak > 300 * 2 ** 20, peak
+    del big
 
 
 @pytest.fixture(scope="module")
