@@ -294,3 +294,21 @@ def test_graph_path_proposes_the_drafts_of_eager():
     assert graph_out == eager_out
     assert graph_drafts == eager_drafts
     assert llm.stats.mean_acceptance_length > 2.5  # drafts worth comparing
+
+
+def test_a_dropped_engine_frees_its_traced_graphs_and_weights():
+    """torch.jit.trace keeps every traced function, with its constants (the weights), in its
+    process-wide compilation unit unless told otherwise: an engine built and dropped (a notebook
+    rebuilding its LLM, a test suite) must leave nothing behind."""
+    import gc
+    import weakref
+    before = len(torch.jit._state._python_cu.get_functions())
+    llm = LLM("tiny-qwen3-next", num_spec=3)
+    llm.runner.graphs.trace_after = 0
+    llm.generate(["def f(x):"] * 2, SamplingParams(max_tokens=24))
+    assert llm.runner.graphs.verify_graphs, "nothing was traced"
+    weights = [weakref.ref(p) for p in llm.model.parameters()]
+    del llm
+    gc.collect()
+    assert len(torch.jit._state._python_cu.get_functions()) == before
+    assert not [w for w in weights if w() is not None], "weights kept alive after the engine was dropped"

@@ -36,7 +36,7 @@ from mtpkit.config import EngineConfig
 from mtpkit.step.cache import CacheTensors
 from mtpkit.shapes import Float, Int, Tensor, checked, is_debug
 from mtpkit.graphs.plan import CapturePlan
-from mtpkit.graphs.specialize import specialized
+from mtpkit.graphs.specialize import private_compilation_unit, specialized
 
 MIN_CPU_CONTEXT = 64  # smallest context bucket of a CPU graph
 # A CPU graph is traced on its (n, context)'s next replay after this many direct calls. Tracing
@@ -237,7 +237,8 @@ class CapturedSteps:
             # into the trace: that is an error, and the engine falls back to direct calls.
             warnings.filterwarnings("error", message="Converting a tensor to a Python (list|number|integer|float|index)",
                                     category=torch.jit.TracerWarning)
-            traced = torch.jit.trace(fn, args, check_trace=False)
+            with private_compilation_unit():
+                traced = torch.jit.trace(fn, args, check_trace=False)
         # A graph replays only at the shape it was traced for: fold its shape bookkeeping.
         return specialized(traced, name)
 
