@@ -79,7 +79,10 @@ class Soak:
         prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(1, 48))]
         kw = dict(max_tokens=rng.randint(1, 40))
         if rng.random() < 0.4:
-            kw.update(temperature=rng.choice([0.7, 1.0]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(2**32))
+            # No top-p / top-k: a truncation boundary between two nearly equal probabilities is
+            # decided by fp32 rounding, which differs between eager, traced and bundle shapes
+            # (docs/speculative.md, "Seeded sampling"); the plain exponential race is exact.
+            kw.update(temperature=rng.choice([0.7, 1.0]), seed=rng.randrange(2**32))
         if rng.random() < 0.3:
             kw["stop"] = rng.sample(STOPS, rng.randint(1, 2))
         return prompt, SamplingParams(**kw)
