@@ -487,34 +487,78 @@ def _where(key) -> str:
     return f"{file}:{line}({name})"
 
 
+class VerifyStepProfiler:
+    """cProfile switched on for verify steps only: on when Scheduler.schedule returns a verify
+    plan, off when the next step begins (LLM.step) or a stream ends; so a verify step's profile
+    holds everything after its schedule call, the stream's handling of its events included."""
+
+    def __init__(self):
+        self.prof, self.on, self.steps, self.seconds, self.since = cProfile.Profile(), False, 0, 0.0, 0.0
+
+    def start(self) -> None:
+        self.steps += 1
+        self.on, self.since = True, time.perf_counter()
+        self.prof.enable()
+
+    def stop(self) -> None:
+        if self.on:
+            self.prof.disable()
+            self.seconds += time.perf_counter() - self.since
+            self.on = False
+
+    def patches(self) -> list[tuple[object, str, object]]:
+        step, schedule = llm_module.LLM.step, Scheduler.schedule
+
+        def step_call(llm):
+            self.stop()
+            return step(llm)
+
+        def schedule_call(sched):
+            plan = schedule(sched)
+            if plan is not None and plan.kind.value == "verify":
+                self.start()
+            return plan
+        return [(llm_module.LLM, "step", step_call), (Scheduler, "schedule", schedule_call)]
+
+
 def profile(config: Config, *, prompts: int, prompt_len: int, max_tokens: int, rounds: int, top: int,
             stop: bool = True) -> None:
-    """cProfile over `rounds` timed runs of one configuration after a warm-up; the graphs' replay
-    shows as replay_graph. Prints the top host functions by cumulative and by own time."""
+    """cProfile over the verify steps of `rounds` runs of one configuration after a warm-up (the
+    graphs' replay shows as replay_graph; the schedule call itself is not profiled). Prints the
+    top host functions by cumulative and by own time."""
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop=[NEVER_STOP] if stop else None)
     ids = heldout_prompts(max(prompts, config.batch), prompt_len)[:prompts]
     groups = [ids[i:i + config.batch] for i in range(0, len(ids), config.batch)]
+    vp = VerifyStepProfiler()
     with instrument(graphs_only=True):
         llm = build(config, config.batch)
         run(llm, groups, sp, None)
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(rounds):
-            run(llm, groups, sp, None)
-        prof.disable()
+        saved = [(owner, attr, owner.__dict__[attr]) for owner, attr, _ in vp.patches()]
+        try:
+            for owner, attr, new in vp.patches():
+                setattr(owner, attr, new)
+            for _ in range(rounds):
+                for g in groups:
+                    for _ev in llm.stream(g, sp):
+                        pass
+                    vp.stop()
+        finally:
+            for owner, attr, old in saved:
+                setattr(owner, attr, old)
         llm.close()
-    stats = pstats.Stats(prof).stats            # key -> (primitive calls, calls, own time, cumulative, callers)
-    steps = next(v[1] for k, v in stats.items() if k[2] == "step" and k[0].endswith(os.path.join("mtpkit", "llm.py")))
-    total = max(v[3] for k, v in stats.items() if k[2] == "stream")
+    stats = pstats.Stats(vp.prof).stats     # key -> (primitive calls, calls, own time, cumulative, callers)
+    steps, total = vp.steps, vp.seconds
     graphs = sum(v[3] for k, v in stats.items() if k[2] == "replay_graph")
-    print(f"cProfile, {config}: {rounds} runs of {len(ids)} prompts x {max_tokens} tokens, {steps} steps (prefill "
-          f"steps included): {total / steps * 1e3:.3f} ms per step under the profiler, of which the graphs "
-          f"(replay_graph) {100 * graphs / total:.1f}%. cProfile's own cost per Python call inflates the host "
-          "functions: read the ranks, not the absolute times.")
-    host = {k: v for k, v in stats.items() if k[2] not in ("replay_graph", "run", "<genexpr>")
-            and not k[0].endswith("step_breakdown.py") and "cProfile" not in k[2] and "disable" not in k[2]}
-    for title, col in (("cumulative", 3), ("own time", 2)):
-        print(f"\ntop {top} host functions by {title} time (per step; % of the stream's time):")
+    print(f"cProfile, {config}: {rounds} runs of {len(ids)} prompts x {max_tokens} tokens, {steps} verify steps "
+          f"profiled: {total / steps * 1e3:.3f} ms per step under the profiler, of which the graphs (replay_graph) "
+          f"{100 * graphs / total:.1f}%. cProfile's own cost per Python call inflates the host functions: read the "
+          "ranks, not the absolute times. Frames entered before a step's profile began (LLM.stream, LLM.step's "
+          "callers) are missing or partial.")
+    mine = str(Path(__file__).resolve())
+    host = {k: v for k, v in stats.items() if k[2] != "replay_graph" and k[0] != mine and "Profile" not in k[2]
+            and "disable" not in k[2]}
+    for title, col in (("cumulative", 3), ("own", 2)):
+        print(f"\ntop {top} host functions by {title} time (per verify step; % of the profiled time):")
         print(f"  {'cum us':>8} {'own us':>8} {'calls':>7} {'%':>6}  function")
         for k, v in sorted(host.items(), key=lambda kv: -kv[1][col])[:top]:
             print(f"  {v[3] / steps * 1e6:>8.1f} {v[2] / steps * 1e6:>8.1f} {v[1] / steps:>7.2f} "
