@@ -406,13 +406,14 @@ def measure(configs: list[Config], *, prompts: int, prompt_len: int, max_tokens:
     """Each configuration's breakdown: engines built and warmed up (their graphs traced) inside
     `instrument()`, then `rounds` rounds each running every configuration once."""
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop=[NEVER_STOP] if stop else None)
-    ids = heldout_prompts(max(prompts, *(c.batch for c in configs)), prompt_len)[:prompts]
+    ids = heldout_prompts(max(prompts, *(c.batch for c in configs)), prompt_len)
     with instrument():
         cost = wrapper_cost()
         engines, groups, records, walls = {}, {}, {}, {}
         for c in configs:
             engines[c] = build(c, max(c.batch for c in configs))
-            groups[c] = [ids[i:i + c.batch] for i in range(0, len(ids), c.batch)]
+            mine = ids[:max(prompts, c.batch)]   # at least one full batch
+            groups[c] = [mine[i:i + c.batch] for i in range(0, len(mine), c.batch)]
             run(engines[c], groups[c], sp, None)   # warm-up: every graph key traced
             records[c], walls[c] = [], 0.0
             if verbose:
@@ -527,7 +528,7 @@ def profile(config: Config, *, prompts: int, prompt_len: int, max_tokens: int, r
     graphs' replay shows as replay_graph; the schedule call itself is not profiled). Prints the
     top host functions by cumulative and by own time."""
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop=[NEVER_STOP] if stop else None)
-    ids = heldout_prompts(max(prompts, config.batch), prompt_len)[:prompts]
+    ids = heldout_prompts(max(prompts, config.batch), prompt_len)   # at least one full batch
     groups = [ids[i:i + config.batch] for i in range(0, len(ids), config.batch)]
     vp = VerifyStepProfiler()
     with instrument(graphs_only=True):
