@@ -405,7 +405,7 @@ def measure(configs: list[Config], *, prompts: int, prompt_len: int, max_tokens:
             stop: bool = True, verbose: bool = True) -> list[Breakdown]:
     """Each configuration's breakdown: engines built and warmed up (their graphs traced) inside
     `instrument()`, then `rounds` rounds each running every configuration once."""
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop=[NEVER_STOP] if stop else None)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop=[NEVER_STOP] if stop else [])
     ids = heldout_prompts(max(prompts, *(c.batch for c in configs)), prompt_len)
     with instrument():
         cost = wrapper_cost()
@@ -527,7 +527,7 @@ def profile(config: Config, *, prompts: int, prompt_len: int, max_tokens: int, r
     """cProfile over the verify steps of `rounds` runs of one configuration after a warm-up (the
     graphs' replay shows as replay_graph; the schedule call itself is not profiled). Prints the
     top host functions by cumulative and by own time."""
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop=[NEVER_STOP] if stop else None)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop=[NEVER_STOP] if stop else [])
     ids = heldout_prompts(max(prompts, config.batch), prompt_len)   # at least one full batch
     groups = [ids[i:i + config.batch] for i in range(0, len(ids), config.batch)]
     vp = VerifyStepProfiler()
