@@ -81,7 +81,7 @@ class ModelRunner:
             tokens, _ = rejection_sample(logits, empty, torch.zeros(len(finishing), dtype=torch.int64,
                                                                     device=self.device),
                                          sampling, [r.seed for r in finishing_reqs], [r.prefill_target for r in finishing_reqs])
-            bad = (~torch.isfinite(logits).all(-1).all(-1)).long()
+            bad = (~torch.isfinite(logits.amax(-1)[:, 0])).long()
             out = self.tp.broadcast(torch.stack([tokens[:, 0], bad], dim=1).contiguous()).tolist()
             sampled = [t for t, _ in out]
             for i, (token, nonfinite) in zip(finishing, out):
@@ -141,15 +141,13 @@ class ModelRunner:
         tokens, num_emitted = rejection_sample(logits, drafts, limit, sampling, [r.seed for r in reqs],
                                           [r.num_computed + 1 for r in reqs])
         # A row whose logits are not finite where they decide its tokens (NaN / inf weights or
-        # activations) ends its request with an error; the other rows go on.
-        used = torch.arange(B, device=self.device) <= limit[:, None]
-        bad = (~(torch.isfinite(logits).all(-1) | ~used).all(-1)).long()
-        both = torch.cat([tokens, num_emitted[:, None], bad[:, None]], dim=1)
-        if self.tp.size > 1:  # one broadcast for all three
-            both = self.tp.broadcast(both)
-            tokens, num_emitted = both[:, :B], both[:, B]
-        rows_out = both.tolist()
-        tok_list, emitted_counts = [x[:B] for x in rows_out], [x[B] for x in rows_out]
+        # activations) ends its request with an error; the other rows go on. amax shows NaN and
+        # +inf (and a row of -inf): two ops per step, the rest on the host.
+        finite = torch.isfinite(logits.amax(-1)).long()                     # [R, B]
+        if self.tp.size > 1:  # one broadcast for all three: rank 0 decides
+            both = self.tp.broadcast(torch.cat([tokens, num_emitted[:, None], finite], dim=1))
+            tokens, num_emitted, finite = both[:, :B], both[:, B], both[:, B + 1:]
+        emitted_counts, tok_list, finite_list = num_emitted.tolist(), tokens.tolist(), finite.tolist()
         new_drafts = [[] for _ in reqs]
         if self.drafter is not None:
             if self.graphs is not None:
@@ -160,8 +158,8 @@ class ModelRunner:
             new_drafts = self.tp.broadcast(drafts_out[:R].contiguous()).tolist()
         results = [ReqResult(tok_list[i][:emitted_counts[i]], emitted_counts[i], limit_list[i], new_drafts[i])
                    for i in range(R)]
-        for i, x in enumerate(rows_out):
-            if x[B + 1]:
+        for i in range(R):
+            if not all(finite_list[i][:limit_list[i] + 1]):
                 results[i].error = non_finite(reqs[i], f"verify step {reqs[i].num_steps}", reqs[i].num_computed)
         return results
 
