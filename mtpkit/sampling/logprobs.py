@@ -32,6 +32,11 @@ class Logprob:
     decoded_token: str | None = None
 
 
+def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 for half-precision logits; a float64 model's stay float64 (its tests compare to 1e-9)."""
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
 @checked
 def topk_logprobs(
     logprobs: Float[Tensor, "num_logits vocab"], tokens: Int[Tensor, "num_logits"], num_top: int,
@@ -51,12 +56,12 @@ def topk_logprobs(
 def processed_logprobs(
     logits: Float[Tensor, "num_reqs bundle vocab"], params: list[SamplingParams],
 ) -> Float[Tensor, "num_reqs bundle vocab"]:
-    """fp32 logprobs of each row in its own mode (module docstring)."""
-    raw = torch.log_softmax(logits.float(), dim=-1)
+    """Logprobs (fp32, float64 for a float64 model) of each row in its own mode (module docstring)."""
+    raw = torch.log_softmax(_at_least_fp32(logits), dim=-1)
     sampled = [i for i, p in enumerate(params) if p.logprobs_mode == "processed" and p.temperature > 0]
     if sampled:
         st = SamplingTensors.from_params([params[i] for i in sampled], logits.device)
-        raw[sampled] = target_probs(logits[sampled], st).log()
+        raw[sampled] = target_probs(logits[sampled], st).log().to(raw.dtype)   # p is fp32
     return raw
 
 
@@ -92,6 +97,6 @@ def prompt_logprob_dicts(logits: Float[Tensor, "num_logits vocab"], next_tokens:
                          num_tops: list[int]) -> list[dict]:
     """Raw logprobs of prompt tokens: row i's logits are those of the position before
     next_tokens[i]."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
+    lp = torch.log_softmax(_at_least_fp32(logits), dim=-1)
     own, rank, vals, ids = topk_logprobs(lp, next_tokens, min(max(num_tops), lp.shape[-1]))
     return logprob_dicts(own.tolist(), rank.tolist(), vals.tolist(), ids.tolist(), next_tokens.tolist(), num_tops)
