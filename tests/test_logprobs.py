@@ -192,11 +192,15 @@ def test_streamed_cut_by_stop_strings_and_preemption():
     llm = LLM(NAME, dtype="float64", num_spec=3)
     ids = llm.tokenizer.encode(PROMPT).ids
     free = llm.generate([ids], SamplingParams(max_tokens=40, ignore_eos=True))[0]
-    stop = llm.tokenizer.decode(free.token_ids[10:13])
+    steps = free.token_steps
+    # a stop string completed by a token that is not its step's last: the step's later tokens are cut
+    j = next(j for j in range(8, 39) if steps[j] == steps[j + 1] and steps[j - 1] != steps[j])
+    stop = llm.tokenizer.decode(free.token_ids[j - 2:j + 1])
     sp = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=2, stop=[stop])
     events = list(llm.stream([ids], sp))
     out = events[-1].output
-    assert out.finish_reason == "stop" and len(out.token_ids) < 40
+    m = len(out.token_ids)
+    assert out.finish_reason == "stop" and m < 40 and steps[m - 1] == steps[m], "the stop cut no bundle"
     streamed = [d for ev in events for d in (ev.new_logprobs or [])]
     assert [t for ev in events for t in ev.new_token_ids] == out.token_ids
     assert len(streamed) == len(out.logprobs) == len(out.token_ids)
