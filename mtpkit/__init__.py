@@ -5,9 +5,10 @@ from mtpkit.errors import CheckpointError, ConfigError, InputError, MtpkitError
 from mtpkit.llm import LLM, StreamEvent
 from mtpkit.notebook import html as _html  # noqa: F401 - registers the rich displays
 from mtpkit.shapes import ShapeError, debug, is_debug, set_debug, shape_trace
+from mtpkit.sampling.logprobs import Logprob
 from mtpkit.sampling.params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "SpecStats", "StreamEvent", "debug",
+__all__ = ["LLM", "SamplingParams", "Logprob", "RequestOutput", "SpecStats", "StreamEvent", "debug",
            "is_debug", "set_debug", "shape_trace", "ShapeError", "ConfigError", "CheckpointError",
            "InputError", "MtpkitError"]
 __version__ = "0.1.0"

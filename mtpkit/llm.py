@@ -42,6 +42,8 @@ class StreamEvent:
     finished: bool
     output: RequestOutput
     delta: str = ""                 # text that became final at this event (never half a character)
+    # SamplingParams.logprobs: one {token_id: Logprob} per token of new_token_ids; else None.
+    new_logprobs: list | None = None
 
 
 class LLM:
@@ -246,10 +248,15 @@ class LLM:
                     # still be reported on the next round
                     new, finished = r.output_token_ids[seen[r.req_id]:], r.status == Status.FINISHED
                     if new or finished:
-                        seen[r.req_id] = len(r.output_token_ids)
+                        start, seen[r.req_id] = seen[r.req_id], len(r.output_token_ids)
+                        new_lps = None
+                        if r.output_logprobs is not None:
+                            new_lps = self._decode_logprobs(r.output_logprobs[start:seen[r.req_id]])
+                        if start == 0 and r.prompt_logprobs is not None:  # complete once a token is out
+                            self._decode_logprobs(r.prompt_logprobs[1:])
                         out, d = self._output(r), detok[r.req_id]
                         delta = d.add(new, final=out.finished)
-                        yield StreamEvent(index[r.req_id], new, d.text, out.finished, out, delta)
+                        yield StreamEvent(index[r.req_id], new, d.text, out.finished, out, delta, new_lps)
                     if finished:
                         del live[r.req_id]
         finally:
@@ -315,7 +322,22 @@ class LLM:
             text = cut_at_stop(self.tokenizer.decode(r.output_token_ids), r.params.stop)
         return RequestOutput(r.req_id, list(r.prompt_token_ids), list(r.output_token_ids), text,
                              r.finish_reason, r.stats, r.error, r.num_preemptions,
-                             list(r.token_steps), list(r.token_draft_positions), self.tokenizer)
+                             list(r.token_steps), list(r.token_draft_positions), self.tokenizer,
+                             None if r.output_logprobs is None else list(r.output_logprobs),
+                             None if r.prompt_logprobs is None else list(r.prompt_logprobs))
+
+    def _decode_logprobs(self, entries: list) -> list:
+        """Fill each Logprob's decoded_token (the token's text alone), once per entry; returns entries."""
+        if self.tokenizer is None:
+            return entries
+        cache = self.__dict__.setdefault("_token_texts", {})
+        for d in entries:
+            for t, lp in (d or {}).items():
+                if lp.decoded_token is None:
+                    if t not in cache:
+                        cache[t] = self.tokenizer.decode([t])
+                    lp.decoded_token = cache[t]
+        return entries
 
     def _error_output(self, prompt, msg: str) -> RequestOutput:
         try:  # the ids as far as they can be read: a bad prompt may be anything

@@ -86,6 +86,7 @@ DIMS: dict[str, str] = {
     "ple_dim": "Gemma 4 per-layer embedding width (hidden_size_per_layer_input)",
     "backbone_hidden": "hidden size of the target a drafter reads (the Gemma 4 assistant's backbone_hidden_size)",
     "centroids": "token clusters of the Gemma 4 assistant's ordered-embedding head (num_centroids)",
+    "num_logprobs": "top tokens returned with each position's logprobs (SamplingParams.logprobs, prompt_logprobs)",
     "candidates": "tokens the Gemma 4 assistant's centroid head scores: top-k clusters x vocab / num_centroids",
     # cache geometry
     "num_blocks": "paged-KV blocks in the pool (block 0 is the null block)",

@@ -97,6 +97,18 @@ class Request:
     num_steps: int = 0             # steps that emitted tokens to this request
     token_steps: list[int] = dataclasses.field(default_factory=list)
     token_draft_positions: list[int] = dataclasses.field(default_factory=list)
+    # When asked (params.logprobs / prompt_logprobs): one {token: Logprob} per output token,
+    # kept in step with output_token_ids (scheduler._append); and None for the first prompt
+    # token then one per prompt token, appended as the prefill reaches them (a recompute after
+    # preemption does not append them again).
+    output_logprobs: list | None = None
+    prompt_logprobs: list | None = None
+
+    def __post_init__(self):
+        if self.params.logprobs is not None and self.output_logprobs is None:
+            self.output_logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -133,6 +145,11 @@ class RequestOutput(HTMLRepr):
     token_draft_positions: list[int] = dataclasses.field(default_factory=list)
     # For the HTML display (each token's text); not part of the result's value.
     tokenizer: object = dataclasses.field(default=None, repr=False, compare=False)
+    # SamplingParams.logprobs: one {token_id: Logprob} per token of token_ids (the token and the
+    # top-N); None when not asked. prompt_logprobs: None for the first prompt token, then one
+    # such dict per prompt token (its logprob given the tokens before it).
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:

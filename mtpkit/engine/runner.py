@@ -17,6 +17,7 @@ from mtpkit.step.metadata import PrefillChunk, UniformRow, build_prefill, build_
 from mtpkit.config import EngineConfig
 from mtpkit.graphs.plan import CapturePlan
 from mtpkit.graphs.captured import CapturedSteps
+from mtpkit.sampling.logprobs import prompt_logprob_dicts, step_logprobs
 from mtpkit.sampling.params import SamplingParams
 from mtpkit.sampling.sampler import SamplingTensors
 from mtpkit.step.draft import Drafter
@@ -70,6 +71,7 @@ class ModelRunner:
         hidden = self.model(token_ids, positions, meta, self.cache)
         finishing = [i for i, (r, n) in enumerate(zip(reqs, plan.chunk_lens)) if r.num_computed + n == r.prefill_target]
         results = [ReqResult([], 1, 0, []) for _ in reqs]
+        self._prompt_logprobs(plan, hidden, results)
         if not finishing:
             sampled = []
         else:
@@ -84,6 +86,12 @@ class ModelRunner:
             bad = (~torch.isfinite(logits.amax(-1)[:, 0])).long()
             out = self.tp.broadcast(torch.stack([tokens[:, 0], bad], dim=1).contiguous()).tolist()
             sampled = [t for t, _ in out]
+            ask = [a for a, r in enumerate(finishing_reqs) if r.params.logprobs is not None]
+            if ask:
+                per_row = step_logprobs(logits[ask], torch.tensor([[sampled[a]] for a in ask], device=self.device),
+                                        [finishing_reqs[a].params for a in ask], [1] * len(ask))
+                for a, lps in zip(ask, per_row):
+                    results[finishing[a]].logprobs = lps
             for i, (token, nonfinite) in zip(finishing, out):
                 results[i].emitted = [token]
                 if nonfinite:
@@ -111,6 +119,31 @@ class ModelRunner:
             else:
                 self.bodies.observe(meta.max_seq_len, *step, self.cache, meta)
         return results
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden, results: list[ReqResult]) -> None:
+        """Raw logprobs of the prompt tokens this step's chunks reach (position p's logits give
+        token p + 1's), for the requests that ask and only those not already known (a
+        recompute after preemption prefills them again): one compute_logits for the step."""
+        rows, next_tokens, tops, owners, start = [], [], [], [], 0
+        for i, (r, n) in enumerate(zip(plan.reqs, plan.chunk_lens)):
+            if r.prompt_logprobs is not None:
+                prompt = r.prompt_token_ids
+                first = max(r.num_computed, len(r.prompt_logprobs) - 1)
+                last = min(r.num_computed + n, len(prompt) - 1)      # positions first..last-1
+                for p in range(first, last):
+                    rows.append(start + p - r.num_computed)
+                    next_tokens.append(prompt[p + 1])
+                    tops.append(r.params.prompt_logprobs)
+                    owners.append(i)
+            start += n
+        if not rows:
+            return
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        dicts = prompt_logprob_dicts(logits, torch.tensor(next_tokens, dtype=torch.int64, device=self.device), tops)
+        for i, d in zip(owners, dicts):
+            if results[i].prompt_logprobs is None:
+                results[i].prompt_logprobs = []
+            results[i].prompt_logprobs.append(d)
 
     def _prefill_drafts(self, meta, step: tuple):
         """The proposal after a prefill: the body, through CapturedSteps when there are graphs."""
@@ -148,6 +181,14 @@ class ModelRunner:
             both = self.tp.broadcast(torch.cat([tokens, num_emitted[:, None], finite], dim=1))
             tokens, num_emitted, finite = both[:, :B], both[:, B], both[:, B + 1:]
         emitted_counts, tok_list, finite_list = num_emitted.tolist(), tokens.tolist(), finite.tolist()
+        # Logprobs before the drafter runs (its replay may reuse the logits' buffers): bundle
+        # index j of row i is the target's distribution at the token of position num_computed + 1 + j.
+        ask = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        step_lps = {}
+        if ask:
+            per_row = step_logprobs(logits[ask], tokens[ask], [reqs[i].params for i in ask],
+                                    [emitted_counts[i] for i in ask])
+            step_lps = dict(zip(ask, per_row))
         new_drafts = [[] for _ in reqs]
         if self.drafter is not None:
             if self.graphs is not None:
@@ -158,6 +199,8 @@ class ModelRunner:
             new_drafts = self.tp.broadcast(drafts_out[:R].contiguous()).tolist()
         results = [ReqResult(tok_list[i][:emitted_counts[i]], emitted_counts[i], limit_list[i], new_drafts[i])
                    for i in range(R)]
+        for i, lps in step_lps.items():
+            results[i].logprobs = lps
         for i in range(R):
             if not all(finite_list[i][:limit_list[i] + 1]):
                 results[i].error = non_finite(reqs[i], f"verify step {reqs[i].num_steps}", reqs[i].num_computed)

@@ -46,6 +46,8 @@ class ReqResult:
     drafted: int                     # VERIFY: drafts that could have been accepted
     drafts: list[int]                # proposals for the next verify step
     error: str | None = None         # the request cannot go on (non-finite logits): it ends with this
+    logprobs: list | None = None     # params.logprobs: one {token: Logprob} per emitted token
+    prompt_logprobs: list | None = None   # params.prompt_logprobs: the next prompt positions' dicts
 
 
 class Scheduler:
@@ -220,6 +222,8 @@ class Scheduler:
                 finished.append(r)
                 continue
             if plan.kind == StepKind.PREFILL:
+                if res.prompt_logprobs:
+                    r.prompt_logprobs.extend(res.prompt_logprobs)
                 r.num_computed += plan.chunk_lens[i]
                 if r.in_prefill:
                     continue
@@ -229,11 +233,11 @@ class Scheduler:
                 r.prev_num_emitted = res.num_emitted
                 r.stats.record(res.drafted, res.num_emitted - 1)
             r.drafts = res.drafts
-            if self._append(r, res.emitted, plan.kind == StepKind.VERIFY):
+            if self._append(r, res.emitted, plan.kind == StepKind.VERIFY, res.logprobs):
                 finished.append(r)
         return finished
 
-    def _append(self, r: Request, tokens: list[int], verify: bool) -> bool:
+    def _append(self, r: Request, tokens: list[int], verify: bool, logprobs: list | None = None) -> bool:
         p = r.params
         # A stop string may end inside the step's tokens (an accepted bundle): the tokens after
         # the one that completes it are dropped.
@@ -244,6 +248,8 @@ class Scheduler:
             r.num_steps += 1
         for i, t in enumerate(tokens):
             r.output_token_ids.append(t)
+            if r.output_logprobs is not None:   # cut with the tokens: appended one by one
+                r.output_logprobs.append(logprobs[i])
             # A verify step emits its accepted drafts (positions 1..), then the target's token.
             r.token_steps.append(r.num_steps - 1)
             r.token_draft_positions.append(i + 1 if verify and i < len(tokens) - 1 else 0)

@@ -8,6 +8,7 @@ import math
 from mtpkit.errors import InputError
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's largest seed
+LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclasses.dataclass
@@ -20,6 +21,15 @@ class SamplingParams:
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
     stop: list[str] = dataclasses.field(default_factory=list)   # stop strings, excluded from the text
+    # Logprobs (vLLM's names; mtpkit.sampling.logprobs): None = off; N: each generated token's
+    # logprob and rank with the N likeliest tokens' (0: the token's alone). prompt_logprobs
+    # likewise for every prompt token after the first (always raw). logprobs_mode "raw":
+    # log_softmax of the model's logits; "processed": of the distribution the token was
+    # sampled from (after temperature, top-k, top-p; a greedy row's are its raw ones).
+    # Under speculation an accepted draft gets the target's logprobs at its position.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logprobs_mode: str = "raw"
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InputError naming the bad field and its valid range."""
@@ -46,5 +56,15 @@ class SamplingParams:
             problems.append(f"stop_token_ids {bad_stop} are not token ids in 0..{(vocab_size or 0) - 1}")
         if not isinstance(self.stop, list) or not all(isinstance(x, str) and x for x in self.stop):
             problems.append(f"stop={self.stop!r} must be a list of non-empty strings")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                problems.append(f"{name}={v!r} must be None or an int >= 0 (top tokens returned per position)")
+            elif vocab_size is not None and v > vocab_size:
+                problems.append(f"{name}={v} exceeds the vocabulary size {vocab_size}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            problems.append(f"logprobs_mode={self.logprobs_mode!r} must be one of {', '.join(LOGPROBS_MODES)}")
         if problems:
             raise InputError("invalid SamplingParams: " + "; ".join(problems))
