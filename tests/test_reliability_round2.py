@@ -86,8 +86,8 @@ def test_random_bytes_inside_the_data_are_refused_at_load(tmp_path):
 def test_a_non_finite_logit_row_ends_only_its_own_request(num_spec, monkeypatch):
     prompts = ["def fibonacci(n):", "import os\nclass A:"]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    ref = [o.token_ids for o in LLM("tiny-qwen3-next", num_spec=num_spec).generate(prompts, params)]
     llm = LLM("tiny-qwen3-next", num_spec=num_spec, enforce_eager=True)
+    ref = [o.token_ids for o in llm.generate(prompts, params)]     # the same engine, not poisoned yet
     compute, calls = llm.model.compute_logits, [0]
 
     def poisoned(hidden):

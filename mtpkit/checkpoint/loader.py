@@ -235,7 +235,7 @@ def load_checkpoint(model: CheckpointModel, path: str | Path, dtype: torch.dtype
         buf.data = buf.data.to(device)
 
 
-def non_finite_count(t: torch.Tensor) -> int:
+def non_finite_count(t: torch.Tensor) -> int:   # plain Tensor: any weight of any shape and dtype
     """NaN / inf values of a loaded weight (FP8 e4m3fn has NaN only: every exponent and mantissa
     bit set). One pass over the weights: benchmarks/load_check.py measures its cost at load."""
     if t.dtype == torch.float8_e4m3fn:

@@ -6,7 +6,9 @@ values against the tokenizer and max_model_len), runs steps, aborts, and scores 
 through its own prefill path. engine/build.py builds one from a checkpoint.
 """
 
+import functools
 import itertools
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -29,6 +31,16 @@ from mtpkit.step.metadata import PrefillChunk
 from mtpkit.text.stop_strings import StopStringMatcher
 
 
+def _serialized(method):
+    """One engine call at a time: a step, a queueing, an abort or a score from another thread
+    waits for the one running (its caches, pools and scheduler lists are not shared safely)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
+
+
 class Engine:
     def __init__(self, *, model: torch.nn.Module, drafter, draft, family, model_config, tp: TP, device: torch.device,
                  dtype: torch.dtype, engine_config: EngineConfig, cache_spec: CacheSpec, capture_plan: CapturePlan,
@@ -46,6 +58,7 @@ class Engine:
         self._ids = itertools.count()
         self.threads_changed: tuple[int, int] | None = None   # (before, set): build.set_cpu_threads
         self.closed = False
+        self._lock = threading.RLock()
         self._assemble(cache, pool_sizes)
 
     def next_id(self) -> int:
@@ -56,6 +69,7 @@ class Engine:
         if self.closed:
             raise InputError("this LLM was closed (LLM.close, or the end of its `with` block); create a new one")
 
+    @_serialized
     def close(self) -> None:
         """Abort what is queued or running, drop the caches and the captured steps, and give back
         torch's thread count if this engine changed it and nothing changed it since. Idempotent."""
@@ -94,6 +108,7 @@ class Engine:
         self._assemble(cache, sizes)
 
     # ---- requests -------------------------------------------------------------------
+    @_serialized
     def add(self, ids: list[int], params: SamplingParams, *, eos_token_ids: tuple[int, ...],
             stop_matcher: StopStringMatcher | None = None) -> Request:
         """Queue a validated request (prompt ids in the vocabulary, within max_model_len with
@@ -112,6 +127,7 @@ class Engine:
         self.scheduler.add(req)
         return req
 
+    @_serialized
     def step(self) -> list[Request]:
         """Run one step; returns the requests it advanced."""
         self._check_open()
@@ -130,11 +146,13 @@ class Engine:
             self.stats.merge(r.stats)
         return plan.reqs
 
+    @_serialized
     def abort(self, reqs: Sequence[Request]) -> list[Request]:
         """Finish the unfinished ones of `reqs` with "abort" (blocks and slots freed now);
         returns those it aborted."""
         return self.scheduler.abort(list(reqs))
 
+    @_serialized
     def abort_ids(self, request_ids: set[int]) -> list[int]:
         """abort() the queued and running requests with these ids; returns their ids, sorted."""
         sched = self.scheduler
@@ -143,6 +161,7 @@ class Engine:
 
     # ---- scoring --------------------------------------------------------------------
     @torch.inference_mode()
+    @_serialized
     def score(self, ids: list[int]) -> torch.Tensor:
         """fp32 logits [seq, vocab] of every position of one sequence of vocabulary ids, through
         the (chunked) prefill path, on blocks and slots of the engine's pools that it holds for

@@ -32,7 +32,7 @@ class Logprob:
     decoded_token: str | None = None
 
 
-def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:   # a dtype helper: the callers are typed
     """fp32 for half-precision logits; a float64 model's stay float64 (its tests compare to 1e-9)."""
     return logits if logits.dtype == torch.float64 else logits.float()
 
