@@ -7,8 +7,9 @@ from mtpkit.notebook import html as _html  # noqa: F401 - registers the rich dis
 from mtpkit.shapes import ShapeError, debug, is_debug, set_debug, shape_trace
 from mtpkit.sampling.logprobs import Logprob
 from mtpkit.sampling.params import SamplingParams
+from mtpkit.sampling.structured_outputs import StructuredOutputs
 
-__all__ = ["LLM", "SamplingParams", "Logprob", "RequestOutput", "SpecStats", "StreamEvent", "debug",
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "Logprob", "RequestOutput", "SpecStats", "StreamEvent", "debug",
            "is_debug", "set_debug", "shape_trace", "ShapeError", "ConfigError", "CheckpointError",
            "InputError", "MtpkitError"]
 __version__ = "0.1.0"

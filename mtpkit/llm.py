@@ -80,6 +80,7 @@ class LLM:
         self._chat_template, self._special_tokens = load_chat_template(ckpt.path), special_tokens(ckpt.path)
         self.engine = build_engine(ckpt, args)
         self.eos_token_ids = self.generation_defaults.eos_token_ids
+        self._grammars = None   # structured outputs' compiler, built on the first request that asks
 
     # help(LLM) shows what each keyword does: the arguments' documentation lives with them.
     if __init__.__doc__ and EngineArgs.__doc__:   # (None under python -OO)
@@ -153,6 +154,11 @@ class LLM:
         if params.stop and self.tokenizer is None:
             raise InputError(f"{where}: stop strings need the checkpoint's tokenizer.json, which this one lacks; "
                              "use stop_token_ids")
+        if params.structured_outputs is not None:
+            try:
+                self._grammar_compiler().compile(params.structured_outputs)   # cached per distinct spec
+            except InputError as e:
+                raise InputError(f"{where}: {e}") from None
         ids = self._tokens(prompt, where)
         total, limit = len(ids) + params.max_tokens, self.engine_config.max_model_len
         if total > limit:
@@ -160,6 +166,17 @@ class LLM:
                              f"exceeds max_model_len={limit}; shorten the prompt, lower max_tokens or "
                              "raise max_model_len")
         return ids, params
+
+    def _grammar_compiler(self):
+        """The structured outputs' compiler over the tokenizer (llguidance's view of it, built once)."""
+        if self.tokenizer is None:
+            raise InputError("structured_outputs need the checkpoint's tokenizer.json, which this one lacks")
+        if self._grammars is None:
+            from mtpkit.structured.compiler import GrammarCompiler
+            from mtpkit.structured.tokenizer_view import grammar_tokenizer
+            self._grammars = GrammarCompiler(grammar_tokenizer(self.tokenizer, self.model_config.vocab_size,
+                                                               self.eos_token_ids))
+        return self._grammars
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, *,
                     where: str = "prompt") -> Request:
@@ -169,8 +186,10 @@ class LLM:
     def _enqueue(self, ids: list[int], params: SamplingParams) -> Request:
         """Queue an already validated request."""
         matcher = StopStringMatcher(self.tokenizer, params.stop) if params.stop else None
+        grammar = (None if params.structured_outputs is None
+                   else self._grammar_compiler().request_grammar(params.structured_outputs))
         return self.engine.add(ids, params, eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
-                               stop_matcher=matcher)
+                               stop_matcher=matcher, grammar=grammar)
 
     # ---- running --------------------------------------------------------------------
     def step(self) -> list[Request]:

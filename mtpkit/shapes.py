@@ -86,6 +86,8 @@ DIMS: dict[str, str] = {
     "ple_dim": "Gemma 4 per-layer embedding width (hidden_size_per_layer_input)",
     "backbone_hidden": "hidden size of the target a drafter reads (the Gemma 4 assistant's backbone_hidden_size)",
     "centroids": "token clusters of the Gemma 4 assistant's ordered-embedding head (num_centroids)",
+    "num_constrained": "requests of a step with structured outputs (the rows a token bitmask covers)",
+    "vocab_words": "int32 words of a token bitmask: ceil(vocab / 32), bit t % 32 of word t // 32 for token t",
     "num_logprobs": "top tokens returned with each position's logprobs (SamplingParams.logprobs, prompt_logprobs)",
     "candidates": "tokens the Gemma 4 assistant's centroid head scores: top-k clusters x vocab / num_centroids",
     # cache geometry

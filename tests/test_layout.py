@@ -19,7 +19,7 @@ FLOORS: dict[str, int] = {
     "mtpkit.shapes": 1, "mtpkit.parallel": 1, "mtpkit.config": 1,
     "mtpkit.step": 2,                                   # the data of one step
     "mtpkit.kernels": 3, "mtpkit.sampling": 3,
-    "mtpkit.text": 4, "mtpkit.checkpoint": 4,
+    "mtpkit.text": 4, "mtpkit.checkpoint": 4, "mtpkit.structured": 4,   # structured: llguidance
     "mtpkit.layers": 5,
     "mtpkit.models": 6,
     "mtpkit.speculative": 7,

@@ -110,9 +110,10 @@ class Engine:
     # ---- requests -------------------------------------------------------------------
     @_serialized
     def add(self, ids: list[int], params: SamplingParams, *, eos_token_ids: tuple[int, ...],
-            stop_matcher: StopStringMatcher | None = None) -> Request:
+            stop_matcher: StopStringMatcher | None = None, grammar=None) -> Request:
         """Queue a validated request (prompt ids in the vocabulary, within max_model_len with
-        its max_tokens; params normalized and validated)."""
+        its max_tokens; params normalized and validated). `grammar`: its structured outputs'
+        matcher (structured.matcher.RequestGrammar), or None."""
         self._check_open()
         rid = self.next_id()
         # A random request's tokens are drawn from noise keyed by (seed, token position)
@@ -123,7 +124,7 @@ class Engine:
             seed = params.seed if params.seed is not None else hash((self.seed, rid)) & (2**63 - 1)
         req = Request(rid, ids, params, eos_token_ids, seed)
         req.stats.num_spec = self.engine_config.num_spec
-        req.stop_matcher = stop_matcher
+        req.stop_matcher, req.grammar = stop_matcher, grammar
         self.scheduler.add(req)
         return req
 

@@ -5,6 +5,7 @@ import enum
 
 from mtpkit.display import HTMLRepr
 from mtpkit.sampling.params import SamplingParams
+from mtpkit.structured.matcher import RequestGrammar
 from mtpkit.text.stop_strings import StopStringMatcher
 
 
@@ -103,6 +104,8 @@ class Request:
     # preemption does not append them again).
     output_logprobs: list | None = None
     prompt_logprobs: list | None = None
+    # params.structured_outputs: the request's matcher (it has consumed output_token_ids)
+    grammar: RequestGrammar | None = None
 
     def __post_init__(self):
         if self.params.logprobs is not None and self.output_logprobs is None:

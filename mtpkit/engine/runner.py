@@ -25,6 +25,7 @@ from mtpkit.sampling.rejection import rejection_sample
 from mtpkit.step.cache import CacheTensors
 from mtpkit.engine.scheduler import ReqResult, StepKind, StepPlan
 from mtpkit.engine.step_bodies import StepBodies, verify_inputs
+from mtpkit.structured.step_masks import StructuredMasks
 
 
 class ModelRunner:
@@ -35,6 +36,7 @@ class ModelRunner:
         self.tp = model.tp
         self._all_greedy: dict[int, SamplingTensors] = {}
         self.bodies = StepBodies(model, drafter, ecfg.bundle)
+        self.structured = StructuredMasks(device)   # grammar masks (structured outputs)
         self.graphs: CapturedSteps | None = None
         if plan is not None:
             self.graphs = CapturedSteps(self.bodies, cache, ecfg, plan, device)
@@ -76,19 +78,23 @@ class ModelRunner:
             sampled = []
         else:
             last = meta.logits_indices[finishing]
-            logits = self.model.compute_logits(hidden[last])[:, None, :]            # [finishing, 1, vocab]
+            raw = logits = self.model.compute_logits(hidden[last])[:, None, :]      # [finishing, 1, vocab]
             finishing_reqs = [reqs[i] for i in finishing]
+            masks = self.structured.prefill(finishing_reqs)     # structured outputs: the first token's mask
+            if masks is not None:
+                logits = masks.apply(logits)
             sampling = self._sampling([r.params for r in finishing_reqs])
             empty = torch.zeros(len(finishing), 0, dtype=torch.int64, device=self.device)
             tokens, _ = rejection_sample(logits, empty, torch.zeros(len(finishing), dtype=torch.int64,
                                                                     device=self.device),
                                          sampling, [r.seed for r in finishing_reqs], [r.prefill_target for r in finishing_reqs])
-            bad = (~torch.isfinite(logits.amax(-1)[:, 0])).long()
+            bad = (~torch.isfinite(raw.amax(-1)[:, 0])).long()
             out = self.tp.broadcast(torch.stack([tokens[:, 0], bad], dim=1).contiguous()).tolist()
             sampled = [t for t, _ in out]
             ask = [a for a, r in enumerate(finishing_reqs) if r.params.logprobs is not None]
             if ask:
-                per_row = step_logprobs(logits[ask], torch.tensor([[sampled[a]] for a in ask], device=self.device),
+                lp = raw if masks is None else masks.logprob_logits(raw, logits, finishing_reqs)
+                per_row = step_logprobs(lp[ask], torch.tensor([[sampled[a]] for a in ask], device=self.device),
                                         [finishing_reqs[a].params for a in ask], [1] * len(ask))
                 for a, lps in zip(ask, per_row):
                     results[finishing[a]].logprobs = lps
@@ -97,6 +103,8 @@ class ModelRunner:
                 if nonfinite:
                     r = reqs[i]
                     results[i].error = non_finite(r, "the prefill", r.prefill_target - 1)
+            for a, msg in ({} if masks is None else masks.errors).items():
+                results[finishing[a]].error = msg
         if self.drafter is not None:
             # The token after each position: the next prompt token, or for a finished prompt
             # the token just sampled (a non-final chunk's last position sees the next chunk's first).
@@ -155,6 +163,10 @@ class ModelRunner:
     def _verify(self, plan: StepPlan) -> list[ReqResult]:
         reqs, R, B, k = plan.reqs, plan.num_reqs, plan.bundle, plan.bundle - 1
         n = plan.num_reqs_padded
+        limit_list = [min(k, max(r.remaining(self.cfg.max_model_len) - 1, 0)) for r in reqs]
+        # Structured outputs: bundle position j masked with the grammar after drafts 0..j-1 (host,
+        # before the step: constrained drafting may rewrite drafts); limits capped at a forbidden draft.
+        masks = self.structured.verify(reqs, limit_list, B)
         rows = [UniformRow([r.all_token_ids[-1]] + r.drafts, r.num_computed, [t.ids for t in r.block_tables],
                            r.state_slots, r.prev_num_emitted) for r in reqs]
         meta = None
@@ -165,9 +177,10 @@ class ModelRunner:
                                                        self.device)
             step = verify_inputs(token_ids, positions, meta)
             hidden, logits = self.bodies.verify(meta.max_seq_len, *step, self.cache)
-        logits = logits.view(n, B, -1)[:R]
+        raw = logits = logits.view(n, B, -1)[:R]
+        if masks is not None:
+            logits = masks.apply(logits)
         drafts = token_ids.view(n, B)[:R, 1:]                                 # [R, k]: d_1..d_k
-        limit_list = [min(k, max(r.remaining(self.cfg.max_model_len) - 1, 0)) for r in reqs]
         limit = torch.tensor(limit_list, dtype=torch.int64, device=self.device)
         sampling = self._sampling([r.params for r in reqs])
         # Bundle index j samples the token at position num_computed + 1 + j.
@@ -176,7 +189,7 @@ class ModelRunner:
         # A row whose logits are not finite where they decide its tokens (NaN / inf weights or
         # activations) ends its request with an error; the other rows go on. amax shows NaN and
         # +inf (and a row of -inf): two ops per step, the rest on the host.
-        finite = torch.isfinite(logits.amax(-1)).long()                     # [R, B]
+        finite = torch.isfinite(raw.amax(-1)).long()                     # [R, B]
         if self.tp.size > 1:  # one broadcast for all three: rank 0 decides
             both = self.tp.broadcast(torch.cat([tokens, num_emitted[:, None], finite], dim=1))
             tokens, num_emitted, finite = both[:, :B], both[:, B], both[:, B + 1:]
@@ -186,7 +199,8 @@ class ModelRunner:
         ask = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         step_lps = {}
         if ask:
-            per_row = step_logprobs(logits[ask], tokens[ask], [reqs[i].params for i in ask],
+            lp = raw if masks is None else masks.logprob_logits(raw, logits, reqs)
+            per_row = step_logprobs(lp[ask], tokens[ask], [reqs[i].params for i in ask],
                                     [emitted_counts[i] for i in ask])
             step_lps = dict(zip(ask, per_row))
         new_drafts = [[] for _ in reqs]
@@ -204,6 +218,8 @@ class ModelRunner:
         for i in range(R):
             if not all(finite_list[i][:limit_list[i] + 1]):
                 results[i].error = non_finite(reqs[i], f"verify step {reqs[i].num_steps}", reqs[i].num_computed)
+        for i, msg in ({} if masks is None else masks.errors).items():
+            results[i].error = msg
         return results
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from mtpkit.errors import InputError
+from mtpkit.sampling.structured_outputs import StructuredOutputs
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's largest seed
 LOGPROBS_MODES = ("raw", "processed")
@@ -30,6 +31,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logprobs_mode: str = "raw"
+    # Structured outputs (mtpkit.sampling.structured_outputs; compiled by mtpkit/structured/):
+    # every token is masked to what the grammar allows, drafts included. "processed" logprobs
+    # are then those of the masked distribution; "raw" ones stay the model's.
+    structured_outputs: StructuredOutputs | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InputError naming the bad field and its valid range."""
@@ -66,5 +71,14 @@ class SamplingParams:
                 problems.append(f"{name}={v} exceeds the vocabulary size {vocab_size}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             problems.append(f"logprobs_mode={self.logprobs_mode!r} must be one of {', '.join(LOGPROBS_MODES)}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                problems.append(f"structured_outputs must be a mtpkit.StructuredOutputs, not "
+                                f"{type(self.structured_outputs).__name__}")
+            else:
+                problems += self.structured_outputs.problems()
+                if self.ignore_eos:
+                    problems.append("ignore_eos=True cannot be combined with structured_outputs: a complete "
+                                    "structure ends with eos; drop ignore_eos (max_tokens still caps the length)")
         if problems:
             raise InputError("invalid SamplingParams: " + "; ".join(problems))

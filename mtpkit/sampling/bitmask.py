@@ -1,0 +1,35 @@
+"""Token bitmasks applied to logits: the device half of structured outputs.
+
+A mask row is the grammar library's format (llguidance, as xgrammar and vLLM use): int32 words,
+bit t % 32 of word t // 32 set when token t is allowed. A step's masks are one tensor
+[num_constrained, bundle, vocab_words] for its constrained rows only (`rows` names them), so
+rows without a constraint are neither copied nor touched. Forbidden tokens get -inf: greedy rows
+take the argmax of what is allowed, random rows' softmax gives them probability 0, and a draft
+the mask forbids can never equal the target's token, so rejection sampling rejects it.
+"""
+
+import torch
+
+from mtpkit.shapes import Bool, Float, Int, Tensor, checked
+
+
+@checked
+def allowed_tokens(bitmask: Int[Tensor, "num_constrained bundle vocab_words"], vocab: int
+                   ) -> Bool[Tensor, "num_constrained bundle vocab"]:
+    """Unpack the bits: True where the token is allowed (bits past `vocab` are dropped)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[..., None] >> shifts).bitwise_and_(1)               # arithmetic >> keeps bit 31 right
+    return bits.flatten(-2)[..., :vocab].bool()
+
+
+@checked
+def apply_token_bitmask(
+    logits: Float[Tensor, "num_reqs bundle vocab"],
+    bitmask: Int[Tensor, "num_constrained bundle vocab_words"],
+    rows: Int[Tensor, "num_constrained"],   # noqa: F821 - a jaxtyping dimension, not a name
+) -> Float[Tensor, "num_reqs bundle vocab"]:
+    """`logits` with the forbidden tokens of rows[c] at -inf (out of place: the raw logits stay
+    for the non-finite check and raw logprobs)."""
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(~allowed_tokens(bitmask, logits.shape[-1]), float("-inf"))
+    return out
