@@ -6,6 +6,10 @@
         --dynamo_backend no examples/serve_batch.py ...            # 2 CPU processes (gloo)
 
 Input lines are {"prompt": "text"} or {"prompt_token_ids": [1, 2, 3]}; blank lines are skipped;
+a line may add "structured": one of {"json": SCHEMA}, {"json_object": true}, {"regex": "..."},
+{"grammar": "..."}, {"choice": ["a", "b"]} (mtpkit.StructuredOutputs' fields, with
+"disable_any_whitespace" if wanted): its output then follows that format (and ends at eos even
+with --ignore-eos, since a finished structure can only end);
 without --prompts a few built-in samples run. Before the model loads, the input is read and
 every line checked (JSON, one of the two keys, a non-empty str or a non-empty list of int token
 ids within the vocabulary, text only with a tokenizer) and the output's directory checked: a bad
@@ -29,6 +33,7 @@ each rank's device; a budget's plan is printed to stderr.
 """
 
 import argparse
+import dataclasses
 import glob
 import hashlib
 import json
@@ -41,7 +46,7 @@ import torch
 import torch.distributed as dist
 from accelerate import PartialState
 
-from mtpkit import LLM, InputError, MtpkitError, SamplingParams
+from mtpkit import LLM, InputError, MtpkitError, SamplingParams, StructuredOutputs
 from mtpkit.cli import add_memory_options, memory_kwargs
 from mtpkit.models.registry import read_config
 from mtpkit.checkpoint.hub import resolve_model
@@ -90,8 +95,46 @@ class BadLine:
         self.error = f"{where}: {problem}"
 
 
+class StructuredPrompt:
+    """A line's prompt with its "structured" format."""
+
+    def __init__(self, prompt, structured: StructuredOutputs):
+        self.prompt, self.structured = prompt, structured
+
+
+def line_prompt(p):
+    """The prompt to run (a str or token ids) of a read line."""
+    return p.prompt if isinstance(p, StructuredPrompt) else p
+
+
+def line_params(p, params: SamplingParams) -> SamplingParams:
+    """The run's params, with the line's structured outputs (which end at eos) if it has them."""
+    if not isinstance(p, StructuredPrompt):
+        return params
+    return dataclasses.replace(params, structured_outputs=p.structured, ignore_eos=False)
+
+
+def check_structured(spec) -> tuple:
+    """(StructuredOutputs of a line's "structured" value, None), or (None, the problem)."""
+    fields = [f.name for f in dataclasses.fields(StructuredOutputs)]
+    if not isinstance(spec, dict) or not spec or not set(spec) <= set(fields):
+        return None, f'"structured" must be an object with one of {", ".join(fields[:-1])} (and optionally ' \
+                     f'{fields[-1]}), got {json.dumps(spec)[:60]}'
+    so = StructuredOutputs(**spec)
+    problems = so.problems()
+    return (None, "; ".join(problems)) if problems else (so, None)
+
+
 def check_line(rec, has_tokenizer: bool, vocab_size: int | None) -> tuple:
     """(the prompt of one parsed line, None), or (None, the problem with it)."""
+    if isinstance(rec, dict) and "structured" in rec:
+        so, problem = check_structured(rec["structured"])
+        if problem is not None:
+            return None, problem
+        if not has_tokenizer:
+            return None, '"structured" needs the checkpoint\'s tokenizer.json, which this one lacks'
+        p, problem = check_line({k: v for k, v in rec.items() if k != "structured"}, has_tokenizer, vocab_size)
+        return (None, problem) if problem is not None else (StructuredPrompt(p, so), None)
     if not isinstance(rec, dict) or ("prompt" in rec) == ("prompt_token_ids" in rec):
         return None, 'expected an object with one of "prompt" (a str) or "prompt_token_ids" (a list of ints)'
     if "prompt" in rec:
@@ -379,7 +422,8 @@ def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
         # every prompt on every rank: a replica that alone refused its share would leave the
         # others waiting for it. With --keep-going they come back as error outputs.
         try:
-            ids, _ = llm._validate(prompts[i], params, f"{args.prompts or 'sample'}:{lines[i]}")
+            ids, _ = llm._validate(line_prompt(prompts[i]), line_params(prompts[i], params),
+                                   f"{args.prompts or 'sample'}:{lines[i]}")
             costs[i] = len(ids) + args.max_tokens
         except InputError as e:
             costs[i] = 0
@@ -408,8 +452,8 @@ def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
     start = time.perf_counter()
     for i in bad if replica == 0 else []:
         write(i, error_record(i, prompts[i]))
-    events = llm.stream([prompts[i] for i in mine], params, errors="return" if args.keep_going else "raise") \
-        if mine else []
+    events = llm.stream([line_prompt(prompts[i]) for i in mine], [line_params(prompts[i], params) for i in mine],
+                        errors="return" if args.keep_going else "raise") if mine else []
     for ev in events:
         if not ev.finished:
             continue

@@ -4,7 +4,9 @@ number); `-` reads a prompt from standard input. `--debug` checks every boundary
 shape trace of the run.
 Memory: `--gpu-memory-utilization 0.9` (CUDA) or `--memory-budget 64GiB` size the caches from
 what the weights and activations leave (the plan is printed); `--fp8-weights` keeps or
-dequantizes an FP8 checkpoint's weights."""
+dequantizes an FP8 checkpoint's weights.
+Structured outputs: `--json-schema FILE` (a JSON schema), `--regex RE` or `--choice A B ...`
+constrain every completion to that format (speculation included)."""
 
 import argparse
 import os
@@ -132,6 +134,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="longest sequence, prompt and completion (None: the model's, at most 4096)")
     g.add_argument("--max-num-seqs", type=_int_at_least(1), default=8,
                    help="requests decoded together at most (the caches are sized for them)")
+    s = g.add_mutually_exclusive_group()
+    s.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="the completion is JSON valid under the schema in FILE (compact: no free whitespace)")
+    s.add_argument("--regex", default=None, metavar="RE", help="the completion fully matches RE")
+    s.add_argument("--choice", nargs="+", default=None, metavar="STR", help="the completion is one of these strings")
     add_memory_options(g)
     sub.add_parser("models", help="list the built-in models", formatter_class=_Formatter)
     return p
@@ -154,6 +161,26 @@ def _rates(stats) -> str:
     """Acceptance per draft position; `-` where no draft was ever tried (a short run)."""
     tried = stats.drafted_per_position + [0] * (stats.num_spec - len(stats.drafted_per_position))
     return ", ".join(f"{r:.2f}" if d else "-" for r, d in zip(stats.acceptance_rate_per_position, tried))
+
+
+def _structured(args):
+    """The StructuredOutputs of --json-schema / --regex / --choice, or None (InputError for a bad file)."""
+    import json
+
+    from mtpkit.errors import InputError
+    from mtpkit.sampling.structured_outputs import StructuredOutputs
+    if args.json_schema is not None:
+        try:
+            text = open(args.json_schema, encoding="utf-8").read()
+            json.loads(text)
+        except (OSError, ValueError) as e:
+            raise InputError(f"--json-schema {args.json_schema}: cannot be read as JSON ({e})") from None
+        return StructuredOutputs(json=text, disable_any_whitespace=True)
+    if args.regex is not None:
+        return StructuredOutputs(regex=args.regex)
+    if args.choice is not None:
+        return StructuredOutputs(choice=args.choice)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,7 +211,8 @@ def _main(args) -> int:
                          device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                          **memory_kwargs(args))
         params = mtpkit.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
+                                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                                       structured_outputs=_structured(args))
         trace = mtpkit.set_debug(True) if args.debug else None
         t0 = time.perf_counter()
         for ev in llm.stream(prompts[0] if single else prompts, params):

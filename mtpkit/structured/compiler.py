@@ -45,7 +45,7 @@ class GrammarCompiler:
             elif not any(m.compute_bitmask()):
                 problem = "no token can start it"
         if problem:
-            raise InputError(self._error(spec, problem.strip().splitlines()[0]))
+            raise InputError(self._error(spec, one_line(problem)))
         self._grammars[key] = grammar
         return grammar
 
@@ -58,3 +58,10 @@ class GrammarCompiler:
     def _error(spec: StructuredOutputs, why: str) -> str:
         return (f"structured_outputs {spec.describe()} cannot be compiled by llguidance: {why}; "
                 "fix the spec (llguidance's syntax: https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md)")
+
+
+def one_line(message: str) -> str:
+    """llguidance's multi-line error without its source excerpt and caret lines."""
+    keep = [ln.strip() for ln in message.splitlines()
+            if ln.strip() and " | " not in ln and set(ln.strip()) != {"^"}]
+    return " ".join(keep)[:400]
