@@ -29,9 +29,9 @@ class StepMasks:
     def apply(self, logits: Float[Tensor, "num_reqs bundle vocab"]) -> Float[Tensor, "num_reqs bundle vocab"]:
         return apply_token_bitmask(logits, self.bitmask, self.rows)
 
-    def logprob_logits(self, raw: torch.Tensor, masked: torch.Tensor, params: list) -> torch.Tensor:
+    def logprob_logits(self, raw: torch.Tensor, masked: torch.Tensor, reqs: list) -> torch.Tensor:
         """The logits logprobs read: masked for constrained rows in "processed" mode, raw otherwise."""
-        processed = [i for i in self.row_list if params[i].logprobs_mode == "processed"]
+        processed = [i for i in self.row_list if reqs[i].params.logprobs_mode == "processed"]
         if not processed:
             return raw
         out = raw.clone()
