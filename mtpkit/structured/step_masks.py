@@ -6,7 +6,8 @@ positions 0..limit (matcher.RequestGrammar.bundle_masks), into one host tensor
 [num_constrained, bundle, vocab_words] copied to the device once; `StepMasks.apply` masks the
 logits there (sampling/bitmask.py) before rejection sampling. `prefill` does the same for the
 first token sampled after a prompt (bundle 1). A step without constrained requests gets None
-and costs one list scan. `host_seconds` adds up the time spent here (benchmarks read it).
+and costs one list scan. `host_seconds` and `steps` add up the time spent here and the steps
+that had constrained rows (benchmarks/structured_json.py reads them).
 """
 
 import dataclasses
@@ -43,7 +44,7 @@ class StructuredMasks:
     def __init__(self, device: torch.device):
         self.device = device
         self.constrained_drafting = True   # replace forbidden drafts by forced tokens (benchmarks turn it off)
-        self.host_seconds = 0.0
+        self.host_seconds, self.steps = 0.0, 0   # time spent here, over steps with constrained rows
 
     def verify(self, reqs: list, limits: list[int], bundle: int) -> StepMasks | None:
         """Masks of a verify step; caps `limits` in place and may rewrite each r.drafts."""
@@ -63,6 +64,7 @@ class StructuredMasks:
             limits[i] = r.grammar.bundle_masks(r.drafts, limits[i], host[c], self.constrained_drafting)
         masks = self._to_device(host, rows, errors)
         self.host_seconds += time.perf_counter() - t0
+        self.steps += 1
         return masks
 
     def prefill(self, reqs: list) -> StepMasks | None:
@@ -82,6 +84,7 @@ class StructuredMasks:
             r.grammar.fill_mask(host[c, 0])
         masks = self._to_device(host, rows, errors)
         self.host_seconds += time.perf_counter() - t0
+        self.steps += 1
         return masks
 
     def _host(self, words: int, n: int, bundle: int) -> torch.Tensor:
