@@ -28,7 +28,7 @@ import oracle
 import spec_models
 from mtpkit import LLM, InputError, SamplingParams, StructuredOutputs
 from mtpkit.checkpoint.hub import resolve_model
-from mtpkit.sampling.bitmask import allowed_tokens, apply_token_bitmask
+from mtpkit.sampling.bitmask import allowed_tokens, apply_token_bitmask_
 from mtpkit.structured.compiler import GrammarCompiler
 from mtpkit.structured.tokenizer_view import grammar_tokenizer
 
@@ -233,8 +233,8 @@ def test_bitmask_op_against_a_bit_by_bit_reference():
     mask[0, 0, 0] = -2**31                      # only bit 31
     logits = torch.randn(4, 3, V, dtype=torch.float64)
     rows = torch.tensor([3, 1])
-    got = apply_token_bitmask(logits, mask, rows)
     want = logits.clone()
+    got = apply_token_bitmask_(logits.clone(), mask, rows)
     for c, r in enumerate(rows.tolist()):
         for j in range(3):
             for t in range(V):

@@ -78,22 +78,22 @@ class ModelRunner:
             sampled = []
         else:
             last = meta.logits_indices[finishing]
-            raw = logits = self.model.compute_logits(hidden[last])[:, None, :]      # [finishing, 1, vocab]
+            logits = self.model.compute_logits(hidden[last])[:, None, :]            # [finishing, 1, vocab]
             finishing_reqs = [reqs[i] for i in finishing]
             masks = self.structured.prefill(finishing_reqs)     # structured outputs: the first token's mask
             if masks is not None:
-                logits = masks.apply(logits)
+                logits = masks.apply(logits, finishing_reqs)
             sampling = self._sampling([r.params for r in finishing_reqs])
             empty = torch.zeros(len(finishing), 0, dtype=torch.int64, device=self.device)
             tokens, _ = rejection_sample(logits, empty, torch.zeros(len(finishing), dtype=torch.int64,
                                                                     device=self.device),
                                          sampling, [r.seed for r in finishing_reqs], [r.prefill_target for r in finishing_reqs])
-            bad = (~torch.isfinite(raw.amax(-1)[:, 0])).long()
+            bad = (~torch.isfinite(logits.amax(-1)[:, 0])).long()
             out = self.tp.broadcast(torch.stack([tokens[:, 0], bad], dim=1).contiguous()).tolist()
             sampled = [t for t, _ in out]
             ask = [a for a, r in enumerate(finishing_reqs) if r.params.logprobs is not None]
             if ask:
-                lp = raw if masks is None else masks.logprob_logits(raw, logits, finishing_reqs)
+                lp = logits if masks is None else masks.logprob_logits(logits)
                 per_row = step_logprobs(lp[ask], torch.tensor([[sampled[a]] for a in ask], device=self.device),
                                         [finishing_reqs[a].params for a in ask], [1] * len(ask))
                 for a, lps in zip(ask, per_row):
@@ -177,9 +177,9 @@ class ModelRunner:
                                                        self.device)
             step = verify_inputs(token_ids, positions, meta)
             hidden, logits = self.bodies.verify(meta.max_seq_len, *step, self.cache)
-        raw = logits = logits.view(n, B, -1)[:R]
-        if masks is not None:
-            logits = masks.apply(logits)
+        logits = logits.view(n, B, -1)[:R]
+        if masks is not None:   # in place, the constrained rows only
+            logits = masks.apply(logits, reqs)
         drafts = token_ids.view(n, B)[:R, 1:]                                 # [R, k]: d_1..d_k
         limit = torch.tensor(limit_list, dtype=torch.int64, device=self.device)
         sampling = self._sampling([r.params for r in reqs])
@@ -189,7 +189,7 @@ class ModelRunner:
         # A row whose logits are not finite where they decide its tokens (NaN / inf weights or
         # activations) ends its request with an error; the other rows go on. amax shows NaN and
         # +inf (and a row of -inf): two ops per step, the rest on the host.
-        finite = torch.isfinite(raw.amax(-1)).long()                     # [R, B]
+        finite = torch.isfinite(logits.amax(-1)).long()                     # [R, B]
         if self.tp.size > 1:  # one broadcast for all three: rank 0 decides
             both = self.tp.broadcast(torch.cat([tokens, num_emitted[:, None], finite], dim=1))
             tokens, num_emitted, finite = both[:, :B], both[:, B], both[:, B + 1:]
@@ -199,7 +199,7 @@ class ModelRunner:
         ask = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         step_lps = {}
         if ask:
-            lp = raw if masks is None else masks.logprob_logits(raw, logits, reqs)
+            lp = logits if masks is None else masks.logprob_logits(logits)
             per_row = step_logprobs(lp[ask], tokens[ask], [reqs[i].params for i in ask],
                                     [emitted_counts[i] for i in ask])
             step_lps = dict(zip(ask, per_row))

@@ -3,7 +3,7 @@
 A mask row is the grammar library's format (llguidance, as xgrammar and vLLM use): int32 words,
 bit t % 32 of word t // 32 set when token t is allowed. A step's masks are one tensor
 [num_constrained, bundle, vocab_words] for its constrained rows only (`rows` names them), so
-rows without a constraint are neither copied nor touched. Forbidden tokens get -inf: greedy rows
+rows without a constraint are neither copied nor touched (the op works in place). Forbidden tokens get -inf: greedy rows
 take the argmax of what is allowed, random rows' softmax gives them probability 0, and a draft
 the mask forbids can never equal the target's token, so rejection sampling rejects it.
 """
@@ -23,13 +23,12 @@ def allowed_tokens(bitmask: Int[Tensor, "num_constrained bundle vocab_words"], v
 
 
 @checked
-def apply_token_bitmask(
+def apply_token_bitmask_(
     logits: Float[Tensor, "num_reqs bundle vocab"],
     bitmask: Int[Tensor, "num_constrained bundle vocab_words"],
     rows: Int[Tensor, "num_constrained"],   # noqa: F821 - a jaxtyping dimension, not a name
 ) -> Float[Tensor, "num_reqs bundle vocab"]:
-    """`logits` with the forbidden tokens of rows[c] at -inf (out of place: the raw logits stay
-    for the non-finite check and raw logprobs)."""
-    out = logits.clone()
-    out[rows] = logits[rows].masked_fill(~allowed_tokens(bitmask, logits.shape[-1]), float("-inf"))
-    return out
+    """Forbidden tokens of rows[c] set to -inf, in place (only those rows are read and written);
+    returns `logits`."""
+    logits[rows] = logits[rows].masked_fill(~allowed_tokens(bitmask, logits.shape[-1]), float("-inf"))
+    return logits

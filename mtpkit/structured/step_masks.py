@@ -4,7 +4,9 @@
 drafting may rewrite the drafts it feeds): per constrained request, the masks of bundle
 positions 0..limit (matcher.RequestGrammar.bundle_masks), into one host tensor
 [num_constrained, bundle, vocab_words] copied to the device once; `StepMasks.apply` masks the
-logits there (sampling/bitmask.py) before rejection sampling. `prefill` does the same for the
+logits there, in place and on the constrained rows only (sampling/bitmask.py), before rejection
+sampling; the runner's non-finite check then reads the masked logits, where they decide the
+tokens (a NaN at a forbidden token decides nothing). `prefill` does the same for the
 first token sampled after a prompt (bundle 1). A step without constrained requests gets None
 and costs one list scan. `host_seconds` and `steps` add up the time spent here and the steps
 that had constrained rows (benchmarks/structured_json.py reads them).
@@ -15,28 +17,35 @@ import time
 
 import torch
 
-from mtpkit.sampling.bitmask import apply_token_bitmask
+from mtpkit.sampling.bitmask import apply_token_bitmask_
 from mtpkit.shapes import Float, Int, Tensor, checked, shaped_dataclass
 
 
-@shaped_dataclass(frozen=True)
+@shaped_dataclass
 class StepMasks:
     bitmask: Int[Tensor, "num_constrained bundle vocab_words"]
     rows: Int[Tensor, "num_constrained"]   # noqa: F821 - a jaxtyping dimension, not a name
     row_list: list
     errors: dict = dataclasses.field(default_factory=dict)   # step row -> why its grammar cannot go on
+    raw_rows: tuple | None = None      # (rows, their raw logits): constrained rows asking raw logprobs
 
     @checked
-    def apply(self, logits: Float[Tensor, "num_reqs bundle vocab"]) -> Float[Tensor, "num_reqs bundle vocab"]:
-        return apply_token_bitmask(logits, self.bitmask, self.rows)
+    def apply(self, logits: Float[Tensor, "num_reqs bundle vocab"], reqs: list) -> Float[Tensor, "num_reqs bundle vocab"]:
+        """Mask the constrained rows of the step's logits in place (a constrained row asking for
+        raw logprobs keeps a copy of its raw row first); returns `logits`."""
+        keep = [i for i in self.row_list if reqs[i].params.logprobs is not None
+                and reqs[i].params.logprobs_mode != "processed"]
+        if keep:
+            self.raw_rows = (keep, logits[keep].clone())
+        return apply_token_bitmask_(logits, self.bitmask, self.rows)
 
-    def logprob_logits(self, raw: torch.Tensor, masked: torch.Tensor, reqs: list) -> torch.Tensor:
+    def logprob_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits logprobs read: masked for constrained rows in "processed" mode, raw otherwise."""
-        processed = [i for i in self.row_list if reqs[i].params.logprobs_mode == "processed"]
-        if not processed:
-            return raw
-        out = raw.clone()
-        out[processed] = masked[processed]
+        if self.raw_rows is None:
+            return logits
+        keep, raw = self.raw_rows
+        out = logits.clone()
+        out[keep] = raw
         return out
 
 
