@@ -182,6 +182,11 @@ def test_logprobs_show_on_hover(llm):
         assert f"{best.decoded_token!r}: {best.logprob:.3f}" in title, title
     plain = llm.generate("import sys\n", SamplingParams(max_tokens=8))[0]._repr_html_()
     assert "data-logprob" not in plain and "logprob" not in plain
+    # the live view's panels likewise
+    outs = nbview.watch(llm, ["import sys\n"], SamplingParams(max_tokens=8, logprobs=3), display=True)
+    live = re.findall(r'data-logprob="([^"]+)"', nbview.last_view.panels[0].text.value)
+    assert [float(x) for x in live] == pytest.approx([e[t].logprob for t, e in zip(outs[0].token_ids, outs[0].logprobs)],
+                                                     abs=1e-5)
 
 
 def test_request_output_and_stats_html(llm):
