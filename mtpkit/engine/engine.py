@@ -9,6 +9,7 @@ through its own prefill path. engine/build.py builds one from a checkpoint.
 import functools
 import itertools
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -16,11 +17,13 @@ import torch
 from mtpkit.config import EngineConfig
 from mtpkit.engine.allocators import SlotAllocator
 from mtpkit.engine.kv_pools import KVPools
+from mtpkit.engine.loop import track
 from mtpkit.engine.memory_plan import MemoryPlan
 from mtpkit.engine.pool_sizing import PoolSizes
 from mtpkit.engine.request import Request, SpecStats
 from mtpkit.engine.runner import ModelRunner
 from mtpkit.engine.scheduler import Scheduler
+from mtpkit.engine.step_log import StepLog
 from mtpkit.errors import InputError
 from mtpkit.graphs.plan import CapturePlan
 from mtpkit.parallel import TP
@@ -59,6 +62,7 @@ class Engine:
         self.threads_changed: tuple[int, int] | None = None   # (before, set): build.set_cpu_threads
         self.closed = False
         self._lock = threading.RLock()
+        self.step_log = StepLog()   # the last steps' request ids and token counts (engine/step_log.py)
         self._assemble(cache, pool_sizes)
 
     def next_id(self) -> int:
@@ -124,6 +128,7 @@ class Engine:
         req = Request(rid, ids, params, eos_token_ids, seed)
         req.stats.num_spec = self.engine_config.num_spec
         req.stop_matcher = stop_matcher
+        track(req)   # an asyncio call's thread records its requests, to abort them if cancelled (engine/loop.py)
         self.scheduler.add(req)
         return req
 
@@ -134,6 +139,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return []
+        start, emitted = time.monotonic(), sum(len(r.output_token_ids) for r in plan.reqs)
         try:
             results = self.runner.execute(plan)
             finished = self.scheduler.update(plan, results)
@@ -144,6 +150,8 @@ class Engine:
             raise
         for r in finished:
             self.stats.merge(r.stats)
+        self.step_log.record(plan.kind.value, tuple(r.req_id for r in plan.reqs),
+                             sum(len(r.output_token_ids) for r in plan.reqs) - emitted, start)
         return plan.reqs
 
     @_serialized
