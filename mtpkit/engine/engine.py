@@ -36,9 +36,31 @@ from mtpkit.text.stop_strings import StopStringMatcher
 
 def _serialized(method):
     """One engine call at a time: a step, a queueing, an abort or a score from another thread
-    waits for the one running (its caches, pools and scheduler lists are not shared safely)."""
+    waits for the one running (its caches, pools and scheduler lists are not shared safely).
+    Every call but a step goes before the next step (`_steps_wait`): while any caller streams,
+    steps run back to back, and a lock handed over unfairly would keep a new caller's requests
+    out of the batch for many steps."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
+        with self._turn:
+            self._pending += 1
+        try:
+            with self._lock:
+                return method(self, *args, **kwargs)
+        finally:
+            with self._turn:
+                self._pending -= 1
+                if not self._pending:
+                    self._turn.notify_all()
+    return run
+
+
+def _steps_wait(method):
+    """A step: after the queueings, aborts and scores already waiting, then as _serialized."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._turn:
+            self._turn.wait_for(lambda: not self._pending)
         with self._lock:
             return method(self, *args, **kwargs)
     return run
@@ -62,6 +84,7 @@ class Engine:
         self.threads_changed: tuple[int, int] | None = None   # (before, set): build.set_cpu_threads
         self.closed = False
         self._lock = threading.RLock()
+        self._turn, self._pending = threading.Condition(threading.Lock()), 0   # calls waiting to go before a step
         self.step_log = StepLog()   # the last steps' request ids and token counts (engine/step_log.py)
         self._assemble(cache, pool_sizes)
 
@@ -132,7 +155,7 @@ class Engine:
         self.scheduler.add(req)
         return req
 
-    @_serialized
+    @_steps_wait
     def step(self) -> list[Request]:
         """Run one step; returns the requests it advanced."""
         self._check_open()

@@ -101,7 +101,7 @@ async def run_call(fn: Callable[[], object], abort: Callable[[list], object]):
             ok, value = False, e
         _post(loop, _settle, ended, ok, value)
 
-    threading.Thread(target=body, name="mtpkit-call", daemon=True).start()
+    threading.Thread(target=body, name="mtpkit-call").start()
     try:
         return await asyncio.shield(ended)
     except asyncio.CancelledError:
@@ -144,7 +144,7 @@ async def stream_call(make_iter: Callable[[], Iterator], abort: Callable[[list],
             _post(loop, queue.put_nowait, (True, _END))
             _post(loop, _settle, ended, True, None)
 
-    threading.Thread(target=body, name="mtpkit-stream", daemon=True).start()
+    threading.Thread(target=body, name="mtpkit-stream").start()
     done = False
     try:
         while True:
