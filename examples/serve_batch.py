@@ -11,8 +11,10 @@ every line checked (JSON, one of the two keys, a non-empty str or a non-empty li
 ids within the vocabulary, text only with a tokenizer) and the output's directory checked: a bad
 line stops the run with an error naming file:line and the problem (all bad lines at once), or,
 with --keep-going, becomes an error record while the other lines run. Output lines keep the
-input order: "index", "token_ids", "text", "finish_reason", the request's acceptance stats, and
-"error" for a line that could not run.
+input order: "index", "token_ids", "text", "finish_reason", the request's acceptance stats,
+with --logprobs / --prompt-logprobs N "logprobs" / "prompt_logprobs" (per position a list of
+{"token_id", "logprob", "rank", "decoded_token"}: its own token first, then the N likeliest),
+and "error" for a line that could not run.
 Under `accelerate launch` of N processes, --tensor-parallel-size T (default N) makes N / T
 replicas of T consecutive ranks each (a TP group per replica). The prompts are dealt to the
 replicas by length (prompt tokens + max_tokens, longest first to the least loaded); a replica
@@ -67,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="engine seed (per-request sampling streams)")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help='write "logprobs": for each generated token, its logprob and rank and the N likeliest '
+                        "tokens' (SamplingParams.logprobs)")
+    p.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                   help='write "prompt_logprobs" likewise for every prompt token after the first')
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="auto")
@@ -167,7 +174,8 @@ def error_record(i: int, bad: BadLine) -> dict:
 
 # The settings that decide a line's output (num_spec and the drafter do not: speculation never
 # changes what is generated); with the line's own text they make its fingerprint.
-OUTPUT_SETTINGS = ("model", "max_tokens", "temperature", "seed", "ignore_eos", "dtype", "max_model_len")
+OUTPUT_SETTINGS = ("model", "max_tokens", "temperature", "seed", "ignore_eos", "dtype", "max_model_len",
+                   "logprobs", "prompt_logprobs")
 
 
 def fingerprints(path: str | None, lines: list, args) -> dict:
@@ -181,12 +189,23 @@ def fingerprints(path: str | None, lines: list, args) -> dict:
     return out
 
 
+def logprob_records(entries: list) -> list:
+    """JSON of RequestOutput.logprobs / prompt_logprobs: per position (None for the first prompt
+    token) a list of {"token_id", "logprob", "rank", "decoded_token"}, the position's own token
+    first, then the likeliest by rank."""
+    return [None if d is None else [{"token_id": t, "logprob": lp.logprob, "rank": lp.rank,
+                                     "decoded_token": lp.decoded_token} for t, lp in d.items()]
+            for d in entries]
+
+
 def result(i: int, out) -> dict:
     s = out.spec_stats
     return {"index": i, "token_ids": out.token_ids, "text": out.text if out.text is not None else "",
             "finish_reason": out.finish_reason,
             "num_drafted": s.num_drafted, "num_accepted": s.num_accepted, "verify_steps": s.verify_steps,
             "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
+            **({"logprobs": logprob_records(out.logprobs)} if out.logprobs is not None else {}),
+            **({"prompt_logprobs": logprob_records(out.prompt_logprobs)} if out.prompt_logprobs is not None else {}),
             **({"error": out.error} if out.error else {})}
 
 
@@ -207,6 +226,9 @@ def check_inputs(args) -> list:
     family.model_class.check_tensor_parallel(cfg, size, **(draft.target_kwargs if draft else {}))
     if draft is not None:
         draft.check_tensor_parallel(size)
+    # The sampling flags, checked as the engine will check them (negative --logprobs, ...).
+    SamplingParams(max_tokens=max(args.max_tokens, 1), temperature=args.temperature, logprobs=args.logprobs,
+                   prompt_logprobs=args.prompt_logprobs).validate(cfg.vocab_size)
     prompts, lines = read_prompts(args.prompts, (model / "tokenizer.json").exists(), cfg.vocab_size)
     bad = [p for p in prompts if isinstance(p, BadLine)]
     if bad and not args.keep_going:
@@ -368,7 +390,7 @@ def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
               max_model_len=args.max_model_len, dtype=args.dtype, seed=args.seed,
               device="cpu" if cpu else state.device, tensor_parallel_size=size, **memory_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            ignore_eos=args.ignore_eos)
+                            ignore_eos=args.ignore_eos, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
     # Bad lines cost nothing to run: replica 0 writes them. The rest are dealt by length.
     bad = [i for i in todo if isinstance(prompts[i], BadLine)]
     costs, refused = {}, []

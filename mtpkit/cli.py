@@ -120,6 +120,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     g.add_argument("--top-k", type=_int_at_least(0), default=0, help="sample from the k likeliest tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
+    g.add_argument("--logprobs", type=_int_at_least(0), default=None, metavar="N",
+                   help="after the completion, print each generated token's logprob and rank and the N likeliest "
+                        "tokens at its position (the model's raw distribution)")
     g.add_argument("--seed", type=_seed, default=None,
                    help="sampling seed, 0..2**64-1 (None: derived from the engine seed)")
     g.add_argument("--dtype", default="auto",
@@ -179,6 +182,19 @@ def _rates(stats) -> str:
     return ", ".join(f"{r:.2f}" if d else "-" for r, d in zip(stats.acceptance_rate_per_position, tried))
 
 
+def logprob_table(out) -> str:
+    """One line per generated token: its text, logprob and rank, then the likeliest tokens'."""
+    lines = []
+    for t, entry in zip(out.token_ids, out.logprobs or []):
+        own = entry[t]
+        name = own.decoded_token if own.decoded_token is not None else f"[{t}]"
+        tops = sorted((lp.rank, k, lp) for k, lp in entry.items() if k != t or len(entry) == 1)
+        alts = "  ".join(f"{(lp.decoded_token if lp.decoded_token is not None else f'[{k}]')!r} {lp.logprob:.3f}"
+                         for _, k, lp in tops if len(entry) > 1)
+        lines.append(f"  {name!r:>12} {own.logprob:9.4f} {own.rank:5d}" + (f"   {alts}" if alts else ""))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -209,7 +225,8 @@ def _main(args) -> int:
                          device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                          **memory_kwargs(args))
         params = mtpkit.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
+                                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                                       logprobs=args.logprobs)
         trace = mtpkit.set_debug(True) if args.debug else None
         t0 = time.perf_counter()
         for ev in llm.stream(prompts[0] if single else prompts, params):
@@ -245,6 +262,11 @@ def _main(args) -> int:
         print(f"--- num_spec={args.num_spec}: mean acceptance length {s.mean_acceptance_length:.2f} "
               f"over {s.verify_steps} verify steps; accepted {s.num_accepted}/{s.num_drafted} drafts; "
               f"acceptance per position [{_rates(s)}]")
+    if args.logprobs is not None:
+        for i in sorted(outs):
+            print(f"\n--- logprobs{'' if single else f' of [{i}]'} (token, logprob, rank"
+                  f"{f'; then the others of the {args.logprobs} likeliest' if args.logprobs else ''}):")
+            print(logprob_table(outs[i]))
     if trace is not None:
         print(f"\n--- shape trace ({len(trace)} checked calls; the last 40):")
         print(trace.table(last=40, args=False))

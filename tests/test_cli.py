@@ -81,3 +81,16 @@ def test_a_closed_pipe_ends_quietly():
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_logprobs_flag_prints_each_tokens_logprob_and_the_likeliest(capsys):
+    assert cli.main(["generate", "def f(x):", "--max-tokens", "6", "--logprobs", "2"]) == 0
+    out = capsys.readouterr().out
+    ref = LLM("tiny-qwen3-next").generate("def f(x):", SamplingParams(max_tokens=6, logprobs=2))[0]
+    rows = out.split("--- logprobs")[1].splitlines()[1:1 + len(ref.token_ids)]
+    assert len(rows) == len(ref.token_ids)
+    for row, t, entry in zip(rows, ref.token_ids, ref.logprobs):
+        assert row.strip().startswith(repr(ref.tokenizer.decode([t]))), row
+        assert f"{entry[t].logprob:9.4f} {entry[t].rank:5d}" in row, row
+        others = [lp for k, lp in entry.items() if k != t]
+        assert all(f"{lp.logprob:.3f}" in row for lp in others), row

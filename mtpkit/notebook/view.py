@@ -67,7 +67,8 @@ class _Panel:
             i = start + k
             last = out.finished and i == len(out.token_ids) - 1
             piece = self.detok.add([t], final=last) if self.tokenizer is not None else f"[{t}]"
-            self.spans.append(H.token_spans([t], [piece], [out.token_steps[i]], [out.token_draft_positions[i]]))
+            lps = None if out.logprobs is None else [out.logprobs[i]]
+            self.spans.append(H.token_spans([t], [piece], [out.token_steps[i]], [out.token_draft_positions[i]], lps))
         self.status, self.dirty = out.finish_reason or "running", True
 
     def draw(self) -> None:
