@@ -11,6 +11,7 @@ import time
 import pytest
 
 from mtpkit import LLM, SamplingParams
+from mtpkit.errors import InputError
 
 WORDS = ["def", "class", "import", "for", "while", "return", "try:", "with", "x =", "print(", "if", "lambda"]
 # 8 callers x 4 prompts; each caller's prompts alternate greedy and seeded sampling
@@ -172,11 +173,14 @@ def test_a_cancelled_task_aborts_only_its_own_requests(llms, serial, how):
     async def main():
         others = [asyncio.ensure_future(llm.agenerate(CALLS[c], PARAMS)) for c in (1, 2, 3)]
         victim = asyncio.ensure_future(doomed())
+        bad = asyncio.ensure_future(llm.agenerate("x", SamplingParams(max_tokens=0)))   # raises in its caller only
         while llm.engine.step_log.num_steps < since + 6:
             await asyncio.sleep(0.005)
         victim.cancel()
         with pytest.raises(asyncio.CancelledError):
             await victim
+        with pytest.raises(InputError, match="max_tokens"):
+            await bad
         # the cancellation returns once its requests are aborted: nothing of it is queued or running
         after = llm.engine.step_log.num_steps
         held = [r for r in [*llm.scheduler.running, *llm.scheduler.waiting] if r.params.max_tokens == LONG.max_tokens]

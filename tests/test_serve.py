@@ -165,3 +165,10 @@ def test_32_streaming_clients_one_leaving_midway(server, monkeypatch):
     while not whole(llm):
         assert time.monotonic() < deadline, "the pools were not whole again"
         time.sleep(0.02)
+
+
+def test_serve_refuses_a_launcher_before_loading(monkeypatch, capsys):
+    from mtpkit.cli import main
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["serve", "tiny-qwen3-next"]) == 2
+    assert "does not run under tensor parallelism" in capsys.readouterr().err
