@@ -97,6 +97,8 @@ def test_bad_requests_are_clear_4xx_errors_and_the_server_stays_up(server):
         (b'{"model": "tiny", "prompt": "x", "max_tokens": 100000000}', auth, 400, "exceeds max_model_len"),
         (b'{"model": "tiny", "prompt": "x", "temperature": -1}', auth, 400, "temperature"),
         (b'{"model": "tiny", "prompt": 7}', auth, 400, "prompt must be"),
+        (b'{"model": "tiny", "prompt": "x", "stream": true, "stream_options": 3}', auth, 400, "stream_options"),
+        (b'{"model": "tiny", "prompt": "x", "stop": 5}', auth, 400, "stop"),
         (b'{"model": "tiny", "prompt": "' + b"x" * 5000 + b'"}', auth, 413, "exceeds the server's limit"),
         (b'{"model": "tiny", "prompt": "x"}', {"Authorization": "Bearer wrong"}, 401, "API key"),
         (b'{"model": "tiny", "prompt": "x"}', {}, 401, "API key"),
@@ -111,6 +113,8 @@ def test_bad_requests_are_clear_4xx_errors_and_the_server_stays_up(server):
             assert words in err["message"] and err["type"], err
         r = h.post("/v1/chat/completions", json={"model": NAME, "messages": "hi"}, headers=auth)
         assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+        r = h.get("/v1/nowhere", headers=auth)
+        assert r.status_code == 404 and r.json()["error"]["message"]
         assert h.get("/health").status_code == 200
         r = h.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 3}, headers=auth)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

@@ -63,8 +63,9 @@ def build_app(llm, *, model_name: str, api_key: str | None = None, max_body_byte
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
+        known = request.url.path in {r.path for r in app.routes}   # a scanner's paths are not metric labels
         return error_response(APIError(exc.status_code, str(exc.detail), type="invalid_request_error"),
-                              request.url.path)
+                              request.url.path if known else "other")
 
     def endpoint(path: str):
         """A /v1 handler: API key checked, APIError / InputError as OpenAI's JSON error, counted."""
@@ -110,6 +111,8 @@ def build_app(llm, *, model_name: str, api_key: str | None = None, max_body_byte
                                 "(GET /v1/models)", param="model", code="model_not_found")
         if not isinstance(data.get("stream", False), bool):
             raise APIError(400, "stream must be true or false", param="stream")
+        if not isinstance(data.get("stream_options") or {}, dict):
+            raise APIError(400, "stream_options must be an object", param="stream_options")
         return data
 
     async def until_disconnect(request: Request) -> None:
