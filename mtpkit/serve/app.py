@@ -16,13 +16,27 @@ import hmac
 import json
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import (
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtpkit.errors import InputError
 from mtpkit.serve import metrics
-from mtpkit.serve.protocol import (APIError, chat_logprobs, chat_messages, check_n, completion_logprobs,
-                                   completion_prompts, new_id, now, sampling_params)
+from mtpkit.serve.protocol import (
+    APIError,
+    chat_logprobs,
+    chat_messages,
+    check_n,
+    completion_logprobs,
+    completion_prompts,
+    new_id,
+    now,
+    sampling_params,
+)
 
 DEFAULT_MAX_BODY = 1 << 20   # bytes of a request body (1 MiB: ~250k tokens of prompt text)
 
