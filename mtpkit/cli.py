@@ -1,5 +1,5 @@
 """`mtpkit generate "def fibonacci(n):" --num-spec 3`: stream a completion, then print the
-speculation stats. Several prompts run as one batch (each completion printed under its prompt's
+speculation stats. `mtpkit serve MODEL`: an OpenAI-compatible HTTP server (the `serve` extra). Several prompts run as one batch (each completion printed under its prompt's
 number); `-` reads a prompt from standard input. `--debug` checks every boundary and prints the
 shape trace of the run.
 Memory: `--gpu-memory-utilization 0.9` (CUDA) or `--memory-budget 64GiB` size the caches from
@@ -136,6 +136,29 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=_int_at_least(1), default=8,
                    help="requests decoded together at most (the caches are sized for them)")
     add_memory_options(g)
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (pip install -e \".[serve]\")",
+                       description="Serve MODEL at /v1/completions, /v1/chat/completions, /v1/models, /health and "
+                                   "/metrics; every client's requests are batched together.",
+                       formatter_class=_Formatter)
+    s.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help="checkpoint directory, built-in name or Hugging Face hub repo id")
+    s.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: MODEL)")
+    s.add_argument("--num-spec", type=_int_at_least(0), default=3, help="draft tokens per step (0 = no speculation)")
+    s.add_argument("--draft-model", default=None, help="checkpoint of a separate drafter (default: the model's own)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface; set an API key)")
+    s.add_argument("--port", type=_int_at_least(0), default=8000, help="TCP port")
+    s.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $MTPKIT_API_KEY; unset: open)")
+    s.add_argument("--max-body-bytes", type=byte_count, default=1 << 20, metavar="BYTES",
+                   help="largest request body accepted (larger: 413)")
+    s.add_argument("--max-num-seqs", type=_int_at_least(1), default=8, help="requests decoded together at most")
+    s.add_argument("--max-model-len", type=_int_at_least(2), default=None,
+                   help="longest sequence, prompt and completion (None: the model's, at most 4096)")
+    s.add_argument("--dtype", default="auto", help="as for generate")
+    s.add_argument("--device", default=None, help="cpu, cuda or cuda:N (None: CUDA when a GPU is present)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
+    add_memory_options(s)
     sub.add_parser("models", help="list the built-in models", formatter_class=_Formatter)
     return p
 
@@ -192,6 +215,8 @@ def _main(args) -> int:
     if args.command == "models":
         print("\n".join(describe_builtin(m) for m in builtin_models()) or "(none)")
         return 0
+    if args.command == "serve":
+        return _serve(args)
     prompts = _read_prompts(args.prompts)
     single = len(prompts) == 1
     outs: dict[int, object] = {}
@@ -245,6 +270,31 @@ def _main(args) -> int:
     if trace is not None:
         print(f"\n--- shape trace ({len(trace)} checked calls; the last 40):")
         print(trace.table(last=40, args=False))
+    return 0
+
+
+def _serve(args) -> int:
+    import mtpkit
+    try:
+        from mtpkit.serve import check_single_process, serve
+        import fastapi, uvicorn  # noqa: F401, E401 - the optional extra, checked before the model loads
+    except ImportError as e:
+        print(f"error: mtpkit serve needs FastAPI and uvicorn ({e}): pip install -e \".[serve]\" "
+              "(or pip install fastapi uvicorn)", file=sys.stderr)
+        return 2
+    try:
+        check_single_process()
+        api_key = args.api_key or os.environ.get("MTPKIT_API_KEY") or None
+        llm = mtpkit.LLM(args.model, num_spec=args.num_spec, draft_model=args.draft_model, dtype=args.dtype,
+                         device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                         **memory_kwargs(args))
+        print(f"--- serving {args.model} (num_spec={args.num_spec}) at http://{args.host}:{args.port}/v1"
+              + ("" if api_key else " without an API key"), file=sys.stderr)
+        serve(llm, model_name=args.served_model_name or args.model, host=args.host, port=args.port,
+              api_key=api_key, max_body_bytes=args.max_body_bytes, log_level=args.log_level)
+    except mtpkit.MtpkitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

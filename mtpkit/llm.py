@@ -10,7 +10,7 @@ import dataclasses
 import inspect
 import numbers
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from mtpkit.engine.args import EngineArgs
 from mtpkit.engine.build import build_engine, open_checkpoint
 from mtpkit.engine.inputs import (id_sequence, is_bool, normalize_sampling_params, prompt_list, short_repr,
                                   utf8_text)
+from mtpkit.engine.loop import run_call, stream_call
 from mtpkit.engine.request import Request, RequestOutput, SpecStats, Status
 from mtpkit.errors import InputError
 from mtpkit.sampling.params import SamplingParams
@@ -285,6 +286,31 @@ class LLM:
         if bar is not None:
             bar.close()
         return [outputs[i] for i in sorted(outputs)]
+
+    # ---- asyncio: each call on a thread of its own, never on the event loop (engine/loop.py)
+    def _check_async(self) -> None:
+        if self.engine.tp.size > 1:
+            raise InputError("asyncio calls under tensor parallelism: every rank must make the same calls in the "
+                             "same order, so call generate / stream from one thread on every rank")
+
+    async def agenerate(self, prompts, sampling_params=None, **kwargs) -> list[RequestOutput]:
+        """`await llm.agenerate(...)`: generate() with the same arguments, run on a thread of its
+        own, batched with every other call in flight. Cancelling the awaiting task aborts this
+        call's requests (freed when the cancellation returns)."""
+        self._check_async()
+        return await run_call(lambda: self.generate(prompts, sampling_params, **kwargs), self.engine.abort)
+
+    async def achat(self, messages, sampling_params=None, **kwargs) -> list[RequestOutput]:
+        """`await llm.achat(...)`: chat() with the same arguments, as agenerate runs generate()."""
+        self._check_async()
+        return await run_call(lambda: self.chat(messages, sampling_params, **kwargs), self.engine.abort)
+
+    def astream(self, prompts, sampling_params=None, *, errors: str = "raise") -> AsyncIterator[StreamEvent]:
+        """`async for ev in llm.astream(...)`: stream()'s events, the stream run on a thread of its
+        own. Cancelling the task or closing the iterator early (aclose) aborts this call's
+        requests; a bad input raises at the first event, before anything is queued."""
+        self._check_async()
+        return stream_call(lambda: self.stream(prompts, sampling_params, errors=errors), self.engine.abort)
 
     def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, chat_template: str | None = None,
                             tokenize: bool = True, **template_kwargs) -> list:

@@ -9,6 +9,7 @@ through its own prefill path. engine/build.py builds one from a checkpoint.
 import functools
 import itertools
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -16,11 +17,13 @@ import torch
 from mtpkit.config import EngineConfig
 from mtpkit.engine.allocators import SlotAllocator
 from mtpkit.engine.kv_pools import KVPools
+from mtpkit.engine.loop import track
 from mtpkit.engine.memory_plan import MemoryPlan
 from mtpkit.engine.pool_sizing import PoolSizes
 from mtpkit.engine.request import Request, SpecStats
 from mtpkit.engine.runner import ModelRunner
 from mtpkit.engine.scheduler import Scheduler
+from mtpkit.engine.step_log import StepLog
 from mtpkit.errors import InputError
 from mtpkit.graphs.plan import CapturePlan
 from mtpkit.parallel import TP
@@ -33,9 +36,31 @@ from mtpkit.text.stop_strings import StopStringMatcher
 
 def _serialized(method):
     """One engine call at a time: a step, a queueing, an abort or a score from another thread
-    waits for the one running (its caches, pools and scheduler lists are not shared safely)."""
+    waits for the one running (its caches, pools and scheduler lists are not shared safely).
+    Every call but a step goes before the next step (`_steps_wait`): while any caller streams,
+    steps run back to back, and a lock handed over unfairly would keep a new caller's requests
+    out of the batch for many steps."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
+        with self._turn:
+            self._pending += 1
+        try:
+            with self._lock:
+                return method(self, *args, **kwargs)
+        finally:
+            with self._turn:
+                self._pending -= 1
+                if not self._pending:
+                    self._turn.notify_all()
+    return run
+
+
+def _steps_wait(method):
+    """A step: after the queueings, aborts and scores already waiting, then as _serialized."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._turn:
+            self._turn.wait_for(lambda: not self._pending)
         with self._lock:
             return method(self, *args, **kwargs)
     return run
@@ -59,6 +84,8 @@ class Engine:
         self.threads_changed: tuple[int, int] | None = None   # (before, set): build.set_cpu_threads
         self.closed = False
         self._lock = threading.RLock()
+        self._turn, self._pending = threading.Condition(threading.Lock()), 0   # calls waiting to go before a step
+        self.step_log = StepLog()   # the last steps' request ids and token counts (engine/step_log.py)
         self._assemble(cache, pool_sizes)
 
     def next_id(self) -> int:
@@ -124,16 +151,18 @@ class Engine:
         req = Request(rid, ids, params, eos_token_ids, seed)
         req.stats.num_spec = self.engine_config.num_spec
         req.stop_matcher = stop_matcher
+        track(req)   # an asyncio call's thread records its requests, to abort them if cancelled (engine/loop.py)
         self.scheduler.add(req)
         return req
 
-    @_serialized
+    @_steps_wait
     def step(self) -> list[Request]:
         """Run one step; returns the requests it advanced."""
         self._check_open()
         plan = self.scheduler.schedule()
         if plan is None:
             return []
+        start, emitted = time.monotonic(), sum(len(r.output_token_ids) for r in plan.reqs)
         try:
             results = self.runner.execute(plan)
             finished = self.scheduler.update(plan, results)
@@ -144,6 +173,8 @@ class Engine:
             raise
         for r in finished:
             self.stats.merge(r.stats)
+        self.step_log.record(plan.kind.value, tuple(r.req_id for r in plan.reqs),
+                             sum(len(r.output_token_ids) for r in plan.reqs) - emitted, start)
         return plan.reqs
 
     @_serialized
