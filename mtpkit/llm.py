@@ -156,15 +156,12 @@ class LLM:
         if params.stop and self.tokenizer is None:
             raise InputError(f"{where}: stop strings need the checkpoint's tokenizer.json, which this one lacks; "
                              "use stop_token_ids")
-        if params.n > 1:   # a prompt's samples are admitted together: they must fit at once
-            seqs, reqs = self.engine_config.max_num_seqs, self.engine.slots.capacity
-            if params.n > seqs:
-                raise InputError(f"{where}: n={params.n} samples run together but max_num_seqs={seqs}; "
-                                 f"lower n or raise max_num_seqs to at least {params.n}")
-            if reqs is not None and params.n > reqs:
-                raise InputError(f"{where}: n={params.n} samples each need their own state slots but the state "
-                                 f"pool holds {reqs} requests; lower n or give more num_state_slots / "
-                                 "state_cache_memory")
+        # A prompt's samples are admitted together (seats and state slots for all; the state
+        # pool holds max_num_seqs requests, engine/build.py checks): they must fit at once.
+        seqs = self.engine_config.max_num_seqs
+        if params.n > seqs:
+            raise InputError(f"{where}: n={params.n} samples run together but max_num_seqs={seqs}; "
+                             f"lower n or raise max_num_seqs to at least {params.n}")
         ids = self._tokens(prompt, where)
         total, limit = len(ids) + params.max_tokens, self.engine_config.max_model_len
         if total > limit:
