@@ -5,14 +5,17 @@
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \\
         --dynamo_backend no examples/serve_batch.py ...            # 2 CPU processes (gloo)
 
-Input lines are {"prompt": "text"} or {"prompt_token_ids": [1, 2, 3]}; blank lines are skipped;
+Input lines are {"prompt": "text"} or {"prompt_token_ids": [1, 2, 3]}, with an optional "n": the
+number of samples of that prompt (needs --temperature > 0; the prompt is prefilled once and its
+KV shared); blank lines are skipped;
 without --prompts a few built-in samples run. Before the model loads, the input is read and
 every line checked (JSON, one of the two keys, a non-empty str or a non-empty list of int token
 ids within the vocabulary, text only with a tokenizer) and the output's directory checked: a bad
 line stops the run with an error naming file:line and the problem (all bad lines at once), or,
 with --keep-going, becomes an error record while the other lines run. Output lines keep the
 input order: "index", "token_ids", "text", "finish_reason", the request's acceptance stats, and
-"error" for a line that could not run.
+"error" for a line that could not run; a line with n > 1 also has "samples", one such record
+per sample (the top-level fields are sample 0's).
 Under `accelerate launch` of N processes, --tensor-parallel-size T (default N) makes N / T
 replicas of T consecutive ranks each (a TP group per replica). The prompts are dealt to the
 replicas by length (prompt tokens + max_tokens, longest first to the least loaded); a replica
@@ -29,6 +32,7 @@ each rank's device; a budget's plan is printed to stderr.
 """
 
 import argparse
+import dataclasses
 import glob
 import hashlib
 import json
@@ -94,6 +98,9 @@ def check_line(rec, has_tokenizer: bool, vocab_size: int | None) -> tuple:
     """(the prompt of one parsed line, None), or (None, the problem with it)."""
     if not isinstance(rec, dict) or ("prompt" in rec) == ("prompt_token_ids" in rec):
         return None, 'expected an object with one of "prompt" (a str) or "prompt_token_ids" (a list of ints)'
+    n = rec.get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return None, f'"n" must be an int >= 1 (samples of the prompt), got {json.dumps(n)[:40]}'
     if "prompt" in rec:
         p = rec["prompt"]
         if not isinstance(p, str):
@@ -115,14 +122,14 @@ def check_line(rec, has_tokenizer: bool, vocab_size: int | None) -> tuple:
     return ids, None
 
 
-def read_prompts(path: str | None, has_tokenizer: bool, vocab_size: int | None = None) -> tuple[list, list]:
-    """Prompts in file order (a str, a token-id list, or a BadLine each) and their line numbers
-    in the file. Raises InputError when the file cannot be read (missing, a directory,
-    unreadable, not UTF-8)."""
+def read_prompts(path: str | None, has_tokenizer: bool, vocab_size: int | None = None) -> tuple[list, list, list]:
+    """Prompts in file order (a str, a token-id list, or a BadLine each), their line numbers
+    in the file and their "n" (samples). Raises InputError when the file cannot be read
+    (missing, a directory, unreadable, not UTF-8)."""
     if path is None:
         # Token ids for a checkpoint without a tokenizer (the tiny test checkpoints).
         samples = SAMPLES if has_tokenizer else [[(7 * i + j) % 100 + 1 for j in range(5 + 3 * i)] for i in range(4)]
-        return samples, list(range(1, len(samples) + 1))
+        return samples, list(range(1, len(samples) + 1)), [1] * len(samples)
     f = Path(path)
     if not f.exists():
         raise InputError(f"--prompts {path}: no such file")
@@ -132,11 +139,12 @@ def read_prompts(path: str | None, has_tokenizer: bool, vocab_size: int | None =
         text = f.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"--prompts {path} cannot be read: {e}") from e
-    prompts, lines = [], []
+    prompts, lines, ns = [], [], []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         lines.append(n)
+        ns.append(1)
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
@@ -144,9 +152,11 @@ def read_prompts(path: str | None, has_tokenizer: bool, vocab_size: int | None =
             continue
         p, problem = check_line(rec, has_tokenizer, vocab_size)
         prompts.append(p if problem is None else BadLine(f"{path}:{n}", problem))
+        if problem is None:
+            ns[-1] = rec.get("n", 1)
     if not prompts:
         raise InputError(f"--prompts {path} holds no prompts")
-    return prompts, lines
+    return prompts, lines, ns
 
 
 def check_output(path: str) -> None:
@@ -182,12 +192,18 @@ def fingerprints(path: str | None, lines: list, args) -> dict:
 
 
 def result(i: int, out) -> dict:
-    s = out.spec_stats
-    return {"index": i, "token_ids": out.token_ids, "text": out.text if out.text is not None else "",
-            "finish_reason": out.finish_reason,
-            "num_drafted": s.num_drafted, "num_accepted": s.num_accepted, "verify_steps": s.verify_steps,
-            "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
-            **({"error": out.error} if out.error else {})}
+    """The line's record: sample 0's fields, and with n > 1 every sample's under "samples"."""
+    def fields(c) -> dict:
+        s = c.spec_stats
+        return {"token_ids": c.token_ids, "text": c.text if c.text is not None else "",
+                "finish_reason": c.finish_reason,
+                "num_drafted": s.num_drafted, "num_accepted": s.num_accepted, "verify_steps": s.verify_steps,
+                "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
+                **({"error": c.error} if c.error else {})}
+    rec = {"index": i, **fields(out)}
+    if len(out.outputs) > 1:
+        rec["samples"] = [{"index": c.index, **fields(c)} for c in out.outputs]
+    return rec
 
 
 def check_inputs(args) -> list:
@@ -207,20 +223,20 @@ def check_inputs(args) -> list:
     family.model_class.check_tensor_parallel(cfg, size, **(draft.target_kwargs if draft else {}))
     if draft is not None:
         draft.check_tensor_parallel(size)
-    prompts, lines = read_prompts(args.prompts, (model / "tokenizer.json").exists(), cfg.vocab_size)
+    prompts, lines, ns = read_prompts(args.prompts, (model / "tokenizer.json").exists(), cfg.vocab_size)
     bad = [p for p in prompts if isinstance(p, BadLine)]
     if bad and not args.keep_going:
         shown = "\n  ".join(b.error for b in bad[:20]) + ("" if len(bad) <= 20 else f"\n  ... {len(bad) - 20} more")
         raise InputError(f"{len(bad)} bad input line(s); nothing was run (--keep-going runs the others and "
                          f"writes these as error records):\n  {shown}")
     check_output(args.output)
-    return prompts, lines
+    return prompts, lines, ns
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        prompts, lines = check_inputs(args)
+        prompts, lines, ns = check_inputs(args)
     except MtpkitError as e:
         if os.environ.get("RANK", "0") == "0":  # every launched rank finds the same problem
             print(f"error: {e}", file=sys.stderr)
@@ -229,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     # Joins the launched job (gloo on CPU, NCCL on GPU); a plain `python` run is one process.
     state = PartialState(cpu=cpu)
     try:
-        return run(args, prompts, lines, state, cpu)
+        return run(args, prompts, lines, ns, state, cpu)
     except MtpkitError as e:  # the same on every rank: a model or engine limit
         if state.is_main_process:
             print(f"error: {e}", file=sys.stderr)
@@ -331,7 +347,7 @@ class Progress:
               f"{tokens / max(now - self.start, 1e-9):.1f} tok/s{acc}", file=sys.stderr, flush=True)
 
 
-def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
+def run(args, prompts: list, lines: list, ns: list, state, cpu: bool) -> int:
     world, rank = state.num_processes, state.process_index
     size = args.tensor_parallel_size or world
     replicas = replica_ranks(world, size)
@@ -369,6 +385,9 @@ def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
               device="cpu" if cpu else state.device, tensor_parallel_size=size, **memory_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             ignore_eos=args.ignore_eos)
+
+    def per_line(i: int) -> SamplingParams:
+        return params if ns[i] == 1 else dataclasses.replace(params, n=ns[i])
     # Bad lines cost nothing to run: replica 0 writes them. The rest are dealt by length.
     bad = [i for i in todo if isinstance(prompts[i], BadLine)]
     costs, refused = {}, []
@@ -379,8 +398,8 @@ def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
         # every prompt on every rank: a replica that alone refused its share would leave the
         # others waiting for it. With --keep-going they come back as error outputs.
         try:
-            ids, _ = llm._validate(prompts[i], params, f"{args.prompts or 'sample'}:{lines[i]}")
-            costs[i] = len(ids) + args.max_tokens
+            ids, _ = llm._validate(prompts[i], per_line(i), f"{args.prompts or 'sample'}:{lines[i]}")
+            costs[i] = len(ids) + ns[i] * args.max_tokens
         except InputError as e:
             costs[i] = 0
             refused.append(str(e))
@@ -408,17 +427,21 @@ def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
     start = time.perf_counter()
     for i in bad if replica == 0 else []:
         write(i, error_record(i, prompts[i]))
-    events = llm.stream([prompts[i] for i in mine], params, errors="return" if args.keep_going else "raise") \
-        if mine else []
+    events = llm.stream([prompts[i] for i in mine], [per_line(i) for i in mine],
+                        errors="return" if args.keep_going else "raise") if mine else []
+    done = set()
     for ev in events:
-        if not ev.finished:
+        # a line is written once all its samples have finished (two finishing in one step
+        # both see the whole output: the first writes it)
+        if not ev.output.finished or ev.index in done:
             continue
+        done.add(ev.index)
         out = ev.output
         write(mine[ev.index], result(mine[ev.index], out))
         if out.error is None:
-            s = out.spec_stats
-            counts = [counts[0] + 1, counts[1] + len(out.token_ids), counts[2] + s.num_drafted,
-                      counts[3] + s.num_accepted]
+            counts = [counts[0] + 1, counts[1] + sum(len(c.token_ids) for c in out.outputs),
+                      counts[2] + sum(c.spec_stats.num_drafted for c in out.outputs),
+                      counts[3] + sum(c.spec_stats.num_accepted for c in out.outputs)]
         if lead:
             progress.report(counts)
     if lead:

@@ -16,7 +16,7 @@ from mtpkit import LLM, InputError, SamplingParams
 from mtpkit.engine.request import SpecStats
 from mtpkit.engine.scheduler import StepKind
 
-F64 = dict(dtype="float64", device="cpu", max_model_len=96)
+F64 = {"dtype": "float64", "device": "cpu", "max_model_len": 96}
 BLOCK = 16
 SEED = 1234
 N = 3
@@ -223,7 +223,7 @@ def test_gemma4_sliding_recycling_respects_shared_blocks(gemma_sliding):
     advances, which must only drop a reference. Every block freed for good is poisoned with
     NaN: a shared block freed early would be read as NaN by another sample. Each sample
     equals its seed + i reference; the pools are whole afterwards."""
-    base = dict(dtype="float64", device="cpu", max_model_len=80, block_size=4, max_num_batched_tokens=8)
+    base = {"dtype": "float64", "device": "cpu", "max_model_len": 80, "block_size": 4, "max_num_batched_tokens": 8}
     llm = LLM(gemma_sliding, num_spec=3, draft_model=gemma_sliding, **base)
     pool = next(p for p in llm.engine.cache_spec.pools if p.sliding_window)
     groups = [g.name for g in pool.groups]

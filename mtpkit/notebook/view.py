@@ -116,10 +116,11 @@ class SpecView:
         self.llm.abort(sorted(self.request_ids))
 
     def update(self, ev, latest: list) -> None:
-        if ev.output.request_id >= 0 and not ev.finished:
-            self.request_ids.add(ev.output.request_id)
+        if ev.output.request_id >= 0 and not ev.finished:   # Stop aborts every sample
+            self.request_ids.add(ev.output.outputs[ev.sample_index].request_id)
         self._num_tokens += len(ev.new_token_ids)
-        self.panels[ev.index].add(ev.output, ev.new_token_ids)
+        if ev.sample_index == 0:   # a panel shows a prompt's first sample (SamplingParams.n)
+            self.panels[ev.index].add(ev.output, ev.new_token_ids)
         now = time.perf_counter()
         if now - self._last_refresh >= self.refresh or all(o is not None and o.finished for o in latest):
             self.refresh_stats(latest)
@@ -233,6 +234,8 @@ def _watch_plain(llm, prompts, sampling_params) -> list[RequestOutput]:
         with contextlib.closing(llm.stream(prompts, sampling_params)) as events:
             for ev in events:
                 latest[ev.index] = ev.output
+                if ev.sample_index:   # the first sample of each prompt is shown (SamplingParams.n)
+                    continue
                 if single:
                     print(ev.delta, end="", flush=True)
                 elif ev.finished:
