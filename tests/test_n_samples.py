@@ -247,3 +247,39 @@ def test_gemma4_sliding_recycling_respects_shared_blocks(gemma_sliding):
     assert [c.token_ids for c in out.outputs] == [o.token_ids for o in ref]
     assert any(step[4] >= 2 for step in log) and freed
     assert llm.kv_pools.num_free == llm.kv_pools.capacity
+
+
+def test_pool_sharing_and_copy_on_write_rules():
+    """The pool layer alone: a fork shares every held block (one reference more), a write
+    into a shared block copies it (all or nothing: too few free blocks copies none), a write
+    into a block held once does not, and blocks return to the free list with their last
+    holder, a sliding pool's recycled ones included."""
+    from mtpkit.engine.kv_pools import KVPools
+    from mtpkit.step.cache_spec import CacheSpec, KVGroup
+    spec = CacheSpec(kv=(KVGroup("f", 1, 1, 8), KVGroup("s", 1, 1, 8, sliding_window=5)))
+    pools = KVPools(spec.pools, {"full": 12, "sliding_5": 12}, block_size=4, max_positions=64, read_back=0)
+    parent = pools.new_tables()
+    assert pools.ensure(parent, 0, 10)                       # positions 0..9: blocks 0, 1, 2 (2 partly)
+    child = pools.fork(parent)
+    assert pools.shared(parent) == pools.shared(child) == 6
+    assert pools.num_free == {"full": 8, "sliding_5": 8}
+    copies = []
+    assert pools.ensure(child, 10, 14, copies)               # writes 10..13: block 2 copied, block 3 new
+    assert [(k, src) for k, src, _ in copies] == [(0, parent[0].ids[2]), (1, parent[1].ids[2])]
+    assert [t.ids[2] for t in child] == [dst for _, _, dst in copies]
+    assert pools.shared(child) == 3                          # full 0, 1 and sliding 1 (sliding 0 recycled)
+    assert pools["sliding_5"].refcount(parent[1].ids[0]) == 1
+    more = []
+    assert pools.ensure(parent, 10, 14, more) and not more   # block 2 is the parent's alone now
+    pools.release(parent)
+    assert pools.shared(child) == 0
+    tight = KVPools(spec.pools, {"full": 5, "sliding_5": 5}, block_size=4, max_positions=64, read_back=0)
+    a = tight.new_tables()
+    assert tight.ensure(a, 0, 14)
+    b, none = tight.fork(a), []
+    # no free block for the copies: none made (the sliding blocks below the window still return)
+    assert not tight.ensure(b, 13, 14, none) and none == [] and tight.shared(b) == 4 + 2
+    for t in (a, b):
+        tight.release(t)
+    pools.release(child)
+    assert pools.num_free == pools.capacity and tight.num_free == tight.capacity

@@ -195,8 +195,8 @@ class RequestOutput(HTMLRepr):
 
     @property
     def finished(self) -> bool:
-        """Every sample has finished."""
-        return all(o.finish_reason is not None for o in self.outputs)
+        """Every sample has finished (finish_reason stands for outputs[0]'s)."""
+        return self.finish_reason is not None and all(o.finish_reason is not None for o in self.outputs[1:])
 
     @property
     def num_accepted_tokens(self) -> int:

@@ -213,8 +213,9 @@ def _final(llm, prompts, latest: list) -> list[RequestOutput]:
         if o is None:   # never started: still queued when the call stopped
             ids = llm.tokenizer.encode(p).ids if isinstance(p, str) and llm.tokenizer else list(p)
             o = RequestOutput(-1, ids, [], "", "abort", SpecStats())
-        elif not o.finished:
-            o = dataclasses.replace(o, finish_reason="abort")
+        elif not o.finished:   # and each of its samples cut off (SamplingParams.n)
+            samples = [c if c.finished else dataclasses.replace(c, finish_reason="abort") for c in o.outputs]
+            o = dataclasses.replace(o, finish_reason=o.finish_reason or "abort", outputs=samples)
         outputs.append(o)
     return outputs
 
