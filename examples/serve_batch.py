@@ -122,14 +122,26 @@ def check_line(rec, has_tokenizer: bool, vocab_size: int | None) -> tuple:
     return ids, None
 
 
-def read_prompts(path: str | None, has_tokenizer: bool, vocab_size: int | None = None) -> tuple[list, list, list]:
-    """Prompts in file order (a str, a token-id list, or a BadLine each), their line numbers
-    in the file and their "n" (samples). Raises InputError when the file cannot be read
-    (missing, a directory, unreadable, not UTF-8)."""
+@dataclasses.dataclass(frozen=True)
+class Samples:
+    """A line's prompt with its "n" > 1 (a line without one is its prompt alone)."""
+
+    prompt: str | list
+    n: int
+
+
+def prompt_and_n(p) -> tuple:
+    return (p.prompt, p.n) if isinstance(p, Samples) else (p, 1)
+
+
+def read_prompts(path: str | None, has_tokenizer: bool, vocab_size: int | None = None) -> tuple[list, list]:
+    """Prompts in file order (a str, a token-id list, a Samples, or a BadLine each) and their
+    line numbers in the file. Raises InputError when the file cannot be read (missing, a
+    directory, unreadable, not UTF-8)."""
     if path is None:
         # Token ids for a checkpoint without a tokenizer (the tiny test checkpoints).
         samples = SAMPLES if has_tokenizer else [[(7 * i + j) % 100 + 1 for j in range(5 + 3 * i)] for i in range(4)]
-        return samples, list(range(1, len(samples) + 1)), [1] * len(samples)
+        return samples, list(range(1, len(samples) + 1))
     f = Path(path)
     if not f.exists():
         raise InputError(f"--prompts {path}: no such file")
@@ -139,24 +151,23 @@ def read_prompts(path: str | None, has_tokenizer: bool, vocab_size: int | None =
         text = f.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"--prompts {path} cannot be read: {e}") from e
-    prompts, lines, ns = [], [], []
+    prompts, lines = [], []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         lines.append(n)
-        ns.append(1)
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             prompts.append(BadLine(f"{path}:{n}", f"not valid JSON ({e.msg} at column {e.colno})"))
             continue
         p, problem = check_line(rec, has_tokenizer, vocab_size)
+        if problem is None and rec.get("n", 1) > 1:
+            p = Samples(p, rec["n"])
         prompts.append(p if problem is None else BadLine(f"{path}:{n}", problem))
-        if problem is None:
-            ns[-1] = rec.get("n", 1)
     if not prompts:
         raise InputError(f"--prompts {path} holds no prompts")
-    return prompts, lines, ns
+    return prompts, lines
 
 
 def check_output(path: str) -> None:
@@ -223,20 +234,20 @@ def check_inputs(args) -> list:
     family.model_class.check_tensor_parallel(cfg, size, **(draft.target_kwargs if draft else {}))
     if draft is not None:
         draft.check_tensor_parallel(size)
-    prompts, lines, ns = read_prompts(args.prompts, (model / "tokenizer.json").exists(), cfg.vocab_size)
+    prompts, lines = read_prompts(args.prompts, (model / "tokenizer.json").exists(), cfg.vocab_size)
     bad = [p for p in prompts if isinstance(p, BadLine)]
     if bad and not args.keep_going:
         shown = "\n  ".join(b.error for b in bad[:20]) + ("" if len(bad) <= 20 else f"\n  ... {len(bad) - 20} more")
         raise InputError(f"{len(bad)} bad input line(s); nothing was run (--keep-going runs the others and "
                          f"writes these as error records):\n  {shown}")
     check_output(args.output)
-    return prompts, lines, ns
+    return prompts, lines
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        prompts, lines, ns = check_inputs(args)
+        prompts, lines = check_inputs(args)
     except MtpkitError as e:
         if os.environ.get("RANK", "0") == "0":  # every launched rank finds the same problem
             print(f"error: {e}", file=sys.stderr)
@@ -245,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     # Joins the launched job (gloo on CPU, NCCL on GPU); a plain `python` run is one process.
     state = PartialState(cpu=cpu)
     try:
-        return run(args, prompts, lines, ns, state, cpu)
+        return run(args, prompts, lines, state, cpu)
     except MtpkitError as e:  # the same on every rank: a model or engine limit
         if state.is_main_process:
             print(f"error: {e}", file=sys.stderr)
@@ -347,7 +358,7 @@ class Progress:
               f"{tokens / max(now - self.start, 1e-9):.1f} tok/s{acc}", file=sys.stderr, flush=True)
 
 
-def run(args, prompts: list, lines: list, ns: list, state, cpu: bool) -> int:
+def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
     world, rank = state.num_processes, state.process_index
     size = args.tensor_parallel_size or world
     replicas = replica_ranks(world, size)
@@ -387,7 +398,8 @@ def run(args, prompts: list, lines: list, ns: list, state, cpu: bool) -> int:
                             ignore_eos=args.ignore_eos)
 
     def per_line(i: int) -> SamplingParams:
-        return params if ns[i] == 1 else dataclasses.replace(params, n=ns[i])
+        n = prompt_and_n(prompts[i])[1]
+        return params if n == 1 else dataclasses.replace(params, n=n)
     # Bad lines cost nothing to run: replica 0 writes them. The rest are dealt by length.
     bad = [i for i in todo if isinstance(prompts[i], BadLine)]
     costs, refused = {}, []
@@ -398,8 +410,8 @@ def run(args, prompts: list, lines: list, ns: list, state, cpu: bool) -> int:
         # every prompt on every rank: a replica that alone refused its share would leave the
         # others waiting for it. With --keep-going they come back as error outputs.
         try:
-            ids, _ = llm._validate(prompts[i], per_line(i), f"{args.prompts or 'sample'}:{lines[i]}")
-            costs[i] = len(ids) + ns[i] * args.max_tokens
+            ids, sp = llm._validate(prompt_and_n(prompts[i])[0], per_line(i), f"{args.prompts or 'sample'}:{lines[i]}")
+            costs[i] = len(ids) + sp.n * args.max_tokens
         except InputError as e:
             costs[i] = 0
             refused.append(str(e))
@@ -427,7 +439,7 @@ def run(args, prompts: list, lines: list, ns: list, state, cpu: bool) -> int:
     start = time.perf_counter()
     for i in bad if replica == 0 else []:
         write(i, error_record(i, prompts[i]))
-    events = llm.stream([prompts[i] for i in mine], [per_line(i) for i in mine],
+    events = llm.stream([prompt_and_n(prompts[i])[0] for i in mine], [per_line(i) for i in mine],
                         errors="return" if args.keep_going else "raise") if mine else []
     done = set()
     for ev in events:

@@ -253,8 +253,9 @@ class Scheduler:
     def _release_blocks(self, r: Request) -> None:
         tables, r.block_tables = r.block_tables, []
         if tables:
-            mine = {(k, b) for k, t in enumerate(tables) for b in t.held()}
-            self._copies.blocks = [c for c in self._copies.blocks if (c[0], c[2]) not in mine]
+            if self._copies.blocks:   # a copy into its blocks not done yet is dropped
+                mine = {(k, b) for k, t in enumerate(tables) for b in t.held()}
+                self._copies.blocks = [c for c in self._copies.blocks if (c[0], c[2]) not in mine]
             self.pools.release(tables)
 
     # ---- abort ----------------------------------------------------------------------
