@@ -5,7 +5,9 @@
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \\
         --dynamo_backend no examples/serve_batch.py ...            # 2 CPU processes (gloo)
 
-Input lines are {"prompt": "text"} or {"prompt_token_ids": [1, 2, 3]}; blank lines are skipped;
+Input lines are {"prompt": "text"} or {"prompt_token_ids": [1, 2, 3]}, with an optional "n": the
+number of samples of that prompt (needs --temperature > 0; the prompt is prefilled once and its
+KV shared); blank lines are skipped;
 without --prompts a few built-in samples run. Before the model loads, the input is read and
 every line checked (JSON, one of the two keys, a non-empty str or a non-empty list of int token
 ids within the vocabulary, text only with a tokenizer) and the output's directory checked: a bad
@@ -14,7 +16,8 @@ with --keep-going, becomes an error record while the other lines run. Output lin
 input order: "index", "token_ids", "text", "finish_reason", the request's acceptance stats,
 with --logprobs / --prompt-logprobs N "logprobs" / "prompt_logprobs" (per position a list of
 {"token_id", "logprob", "rank", "decoded_token"}: its own token first, then the N likeliest),
-and "error" for a line that could not run.
+and "error" for a line that could not run; a line with n > 1 also has "samples", one such record
+per sample (the top-level fields are sample 0's; "prompt_logprobs" is the line's, once).
 Under `accelerate launch` of N processes, --tensor-parallel-size T (default N) makes N / T
 replicas of T consecutive ranks each (a TP group per replica). The prompts are dealt to the
 replicas by length (prompt tokens + max_tokens, longest first to the least loaded); a replica
@@ -31,6 +34,7 @@ each rank's device; a budget's plan is printed to stderr.
 """
 
 import argparse
+import dataclasses
 import glob
 import hashlib
 import json
@@ -101,6 +105,9 @@ def check_line(rec, has_tokenizer: bool, vocab_size: int | None) -> tuple:
     """(the prompt of one parsed line, None), or (None, the problem with it)."""
     if not isinstance(rec, dict) or ("prompt" in rec) == ("prompt_token_ids" in rec):
         return None, 'expected an object with one of "prompt" (a str) or "prompt_token_ids" (a list of ints)'
+    n = rec.get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return None, f'"n" must be an int >= 1 (samples of the prompt), got {json.dumps(n)[:40]}'
     if "prompt" in rec:
         p = rec["prompt"]
         if not isinstance(p, str):
@@ -122,10 +129,22 @@ def check_line(rec, has_tokenizer: bool, vocab_size: int | None) -> tuple:
     return ids, None
 
 
+@dataclasses.dataclass(frozen=True)
+class Samples:
+    """A line's prompt with its "n" > 1 (a line without one is its prompt alone)."""
+
+    prompt: str | list
+    n: int
+
+
+def prompt_and_n(p) -> tuple:
+    return (p.prompt, p.n) if isinstance(p, Samples) else (p, 1)
+
+
 def read_prompts(path: str | None, has_tokenizer: bool, vocab_size: int | None = None) -> tuple[list, list]:
-    """Prompts in file order (a str, a token-id list, or a BadLine each) and their line numbers
-    in the file. Raises InputError when the file cannot be read (missing, a directory,
-    unreadable, not UTF-8)."""
+    """Prompts in file order (a str, a token-id list, a Samples, or a BadLine each) and their
+    line numbers in the file. Raises InputError when the file cannot be read (missing, a
+    directory, unreadable, not UTF-8)."""
     if path is None:
         # Token ids for a checkpoint without a tokenizer (the tiny test checkpoints).
         samples = SAMPLES if has_tokenizer else [[(7 * i + j) % 100 + 1 for j in range(5 + 3 * i)] for i in range(4)]
@@ -150,6 +169,8 @@ def read_prompts(path: str | None, has_tokenizer: bool, vocab_size: int | None =
             prompts.append(BadLine(f"{path}:{n}", f"not valid JSON ({e.msg} at column {e.colno})"))
             continue
         p, problem = check_line(rec, has_tokenizer, vocab_size)
+        if problem is None and rec.get("n", 1) > 1:
+            p = Samples(p, rec["n"])
         prompts.append(p if problem is None else BadLine(f"{path}:{n}", problem))
     if not prompts:
         raise InputError(f"--prompts {path} holds no prompts")
@@ -199,14 +220,21 @@ def logprob_records(entries: list) -> list:
 
 
 def result(i: int, out) -> dict:
-    s = out.spec_stats
-    return {"index": i, "token_ids": out.token_ids, "text": out.text if out.text is not None else "",
-            "finish_reason": out.finish_reason,
-            "num_drafted": s.num_drafted, "num_accepted": s.num_accepted, "verify_steps": s.verify_steps,
-            "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
-            **({"logprobs": logprob_records(out.logprobs)} if out.logprobs is not None else {}),
-            **({"prompt_logprobs": logprob_records(out.prompt_logprobs)} if out.prompt_logprobs is not None else {}),
-            **({"error": out.error} if out.error else {})}
+    """The line's record: sample 0's fields, and with n > 1 every sample's under "samples"."""
+    def fields(c) -> dict:
+        s = c.spec_stats
+        return {"token_ids": c.token_ids, "text": c.text if c.text is not None else "",
+                "finish_reason": c.finish_reason,
+                "num_drafted": s.num_drafted, "num_accepted": s.num_accepted, "verify_steps": s.verify_steps,
+                "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
+                **({"logprobs": logprob_records(c.logprobs)} if c.logprobs is not None else {}),
+                **({"error": c.error} if c.error else {})}
+    rec = {"index": i, **fields(out)}
+    if out.prompt_logprobs is not None:
+        rec["prompt_logprobs"] = logprob_records(out.prompt_logprobs)
+    if len(out.outputs) > 1:
+        rec["samples"] = [{"index": c.index, **fields(c)} for c in out.outputs]
+    return rec
 
 
 def check_inputs(args) -> list:
@@ -391,6 +419,10 @@ def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
               device="cpu" if cpu else state.device, tensor_parallel_size=size, **memory_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             ignore_eos=args.ignore_eos, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
+
+    def per_line(i: int) -> SamplingParams:
+        n = prompt_and_n(prompts[i])[1]
+        return params if n == 1 else dataclasses.replace(params, n=n)
     # Bad lines cost nothing to run: replica 0 writes them. The rest are dealt by length.
     bad = [i for i in todo if isinstance(prompts[i], BadLine)]
     costs, refused = {}, []
@@ -401,8 +433,8 @@ def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
         # every prompt on every rank: a replica that alone refused its share would leave the
         # others waiting for it. With --keep-going they come back as error outputs.
         try:
-            ids, _ = llm._validate(prompts[i], params, f"{args.prompts or 'sample'}:{lines[i]}")
-            costs[i] = len(ids) + args.max_tokens
+            ids, sp = llm._validate(prompt_and_n(prompts[i])[0], per_line(i), f"{args.prompts or 'sample'}:{lines[i]}")
+            costs[i] = len(ids) + sp.n * args.max_tokens
         except InputError as e:
             costs[i] = 0
             refused.append(str(e))
@@ -430,17 +462,21 @@ def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
     start = time.perf_counter()
     for i in bad if replica == 0 else []:
         write(i, error_record(i, prompts[i]))
-    events = llm.stream([prompts[i] for i in mine], params, errors="return" if args.keep_going else "raise") \
-        if mine else []
+    events = llm.stream([prompt_and_n(prompts[i])[0] for i in mine], [per_line(i) for i in mine],
+                        errors="return" if args.keep_going else "raise") if mine else []
+    done = set()
     for ev in events:
-        if not ev.finished:
+        # a line is written once all its samples have finished (two finishing in one step
+        # both see the whole output: the first writes it)
+        if not ev.output.finished or ev.index in done:
             continue
+        done.add(ev.index)
         out = ev.output
         write(mine[ev.index], result(mine[ev.index], out))
         if out.error is None:
-            s = out.spec_stats
-            counts = [counts[0] + 1, counts[1] + len(out.token_ids), counts[2] + s.num_drafted,
-                      counts[3] + s.num_accepted]
+            counts = [counts[0] + 1, counts[1] + sum(len(c.token_ids) for c in out.outputs),
+                      counts[2] + sum(c.spec_stats.num_drafted for c in out.outputs),
+                      counts[3] + sum(c.spec_stats.num_accepted for c in out.outputs)]
         if lead:
             progress.report(counts)
     if lead:

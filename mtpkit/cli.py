@@ -123,6 +123,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", type=_int_at_least(0), default=None, metavar="N",
                    help="after the completion, print each generated token's logprob and rank and the N likeliest "
                         "tokens at its position (the model's raw distribution)")
+    g.add_argument("--n", type=_int_at_least(1), default=1,
+                   help="samples per prompt (needs --temperature > 0), each printed; sample i uses seed + i")
     g.add_argument("--seed", type=_seed, default=None,
                    help="sampling seed, 0..2**64-1 (None: derived from the engine seed)")
     g.add_argument("--dtype", default="auto",
@@ -226,12 +228,13 @@ def _main(args) -> int:
                          **memory_kwargs(args))
         params = mtpkit.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-                                       logprobs=args.logprobs)
+                                       logprobs=args.logprobs, n=args.n)
         trace = mtpkit.set_debug(True) if args.debug else None
         t0 = time.perf_counter()
         for ev in llm.stream(prompts[0] if single else prompts, params):
             outs[ev.index] = ev.output
-            if single and not args.no_stream and ev.delta:  # final text only: never half a character
+            # final text only: never half a character; several samples are printed at the end
+            if single and args.n == 1 and not args.no_stream and ev.delta:
                 sys.stdout.write(ev.delta)
                 sys.stdout.flush()
         elapsed = time.perf_counter() - t0
@@ -240,8 +243,8 @@ def _main(args) -> int:
         return 2
     except KeyboardInterrupt:  # Ctrl-C: what was generated, one line saying so, no traceback
         out = outs.get(0)
-        n = sum(len(o.token_ids) for o in outs.values())
-        if single and args.no_stream and out is not None:
+        n = sum(len(c.token_ids) for o in outs.values() for c in o.outputs)
+        if single and args.n == 1 and args.no_stream and out is not None:
             sys.stdout.write(out.text or " ".join(map(str, out.token_ids)))
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -251,22 +254,27 @@ def _main(args) -> int:
         out = outs[i]
         if not single:
             sys.stdout.write(f"{'' if i == 0 else chr(10) * 2}=== [{i}] {prompts[i][:60]!r}\n")
-        if not single or args.no_stream:
-            sys.stdout.write(out.text or " ".join(map(str, out.token_ids)))
-    n = sum(len(o.token_ids) for o in outs.values())
-    reasons = sorted({o.finish_reason for o in outs.values()})
+        for c in out.outputs:
+            if args.n > 1:
+                sys.stdout.write(f"{'' if i == 0 and c.index == 0 and single else chr(10)}--- sample {c.index}\n")
+            if not single or args.no_stream or args.n > 1:
+                sys.stdout.write(c.text or " ".join(map(str, c.token_ids)))
+    n = sum(len(c.token_ids) for o in outs.values() for c in o.outputs)
+    reasons = sorted({c.finish_reason for o in outs.values() for c in o.outputs})
     print(f"\n\n--- {n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tok/s), finish_reason="
           f"{','.join(reasons) if len(reasons) > 1 else reasons[0]}")
     if args.num_spec:
-        s = llm.stats if not single else outs[0].spec_stats
+        s = llm.stats if not single or args.n > 1 else outs[0].spec_stats   # every sample's
         print(f"--- num_spec={args.num_spec}: mean acceptance length {s.mean_acceptance_length:.2f} "
               f"over {s.verify_steps} verify steps; accepted {s.num_accepted}/{s.num_drafted} drafts; "
               f"acceptance per position [{_rates(s)}]")
     if args.logprobs is not None:
         for i in sorted(outs):
-            print(f"\n--- logprobs{'' if single else f' of [{i}]'} (token, logprob, rank"
-                  f"{f'; then the others of the {args.logprobs} likeliest' if args.logprobs else ''}):")
-            print(logprob_table(outs[i]))
+            for c in outs[i].outputs:
+                where = ("" if single else f" of [{i}]") + (f" sample {c.index}" if args.n > 1 else "")
+                print(f"\n--- logprobs{where} (token, logprob, rank"
+                      f"{f'; then the others of the {args.logprobs} likeliest' if args.logprobs else ''}):")
+                print(logprob_table(c))
     if trace is not None:
         print(f"\n--- shape trace ({len(trace)} checked calls; the last 40):")
         print(trace.table(last=40, args=False))

@@ -1,6 +1,6 @@
 """The command line as a user runs it (issue 31, item 5): the dtype default its help states,
---max-num-seqs, several prompts and `-` for standard input, a closed pipe, and draft positions
-never tried."""
+--max-num-seqs, several prompts and `-` for standard input, --n samples, a closed pipe, and
+draft positions never tried."""
 
 import io
 import os
@@ -55,6 +55,23 @@ def test_several_prompts_run_as_one_batch_each_printed_under_its_number(capsys):
     first, second = out.split("=== [1]")
     assert first.startswith("=== [0] 'def fibonacci(n):'\n") and expected[0].text in first
     assert expected[1].text in second and "--- 24 tokens in" in second
+
+
+def test_n_prints_every_sample(capsys):
+    """--n 3: each sample under its number (sample i with --seed + i), stats over all; n > 1
+    with greedy decoding is refused with the fix."""
+    assert cli.main(["generate", "def f(x):", "--n", "3", "--temperature", "0.8", "--seed", "5",
+                     "--max-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    want = LLM("tiny-qwen3-next", num_spec=3).generate(
+        ["def f(x):"] * 3, [SamplingParams(max_tokens=6, temperature=0.8, seed=5 + i) for i in range(3)])
+    parts = out.split("--- sample ")
+    assert [p[0] for p in parts[1:]] == ["0", "1", "2"]
+    for part, o in zip(parts[1:], want):
+        assert part.startswith(f"{parts.index(part) - 1}\n{o.text}")
+    assert "--- 18 tokens in" in out
+    assert cli.main(["generate", "def f(x):", "--n", "2"]) == 2
+    assert "set temperature > 0" in capsys.readouterr().err
 
 
 def test_dash_reads_the_prompt_from_stdin(capsys, monkeypatch):

@@ -92,3 +92,19 @@ def test_bad_logprobs_flag_is_refused_before_the_model_loads(serve_batch, tmp_pa
     rc = serve_batch.main(ARGS + ["--prompts", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o.jsonl"),
                                   "--logprobs", "-1"])
     assert rc != 0 and "logprobs=-1" in capsys.readouterr().err and not (tmp_path / "o.jsonl").exists()
+
+
+def test_n_samples_per_line(serve_batch, tmp_path):
+    """A line's "n": every sample in its record's "samples" (the top-level fields are sample
+    0's), the tokens LLM.generate gives with n; a bad "n" is an error record."""
+    lines = [{"prompt": "def f(x):", "n": 3}, {"prompt": "import os"}, {"prompt": "x", "n": 0}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+    recs = _run(serve_batch, tmp_path, "--keep-going", "--temperature", "0.8")
+    params = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.8)
+    want = LLM("tiny-qwen3-next").generate(["def f(x):", "import os"], [SamplingParams(**{**vars(params), "n": 3}),
+                                                                      params])
+    assert [s["token_ids"] for s in recs[0]["samples"]] == [c.token_ids for c in want[0].outputs]
+    assert [s["index"] for s in recs[0]["samples"]] == [0, 1, 2]
+    assert recs[0]["token_ids"] == recs[0]["samples"][0]["token_ids"]
+    assert "samples" not in recs[1] and recs[1]["token_ids"] == want[1].token_ids
+    assert recs[2]["finish_reason"] == "error" and '"n" must be an int >= 1' in recs[2]["error"]

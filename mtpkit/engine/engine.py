@@ -103,7 +103,7 @@ class Engine:
         if self.closed:
             return
         self.closed = True
-        self.abort(list(self.scheduler.waiting) + list(self.scheduler.running))
+        self.abort(self.scheduler.unfinished())
         if self.threads_changed is not None:
             before, set_to = self.threads_changed
             if torch.get_num_threads() == set_to:
@@ -139,21 +139,36 @@ class Engine:
     def add(self, ids: list[int], params: SamplingParams, *, eos_token_ids: tuple[int, ...],
             stop_matcher: StopStringMatcher | None = None) -> Request:
         """Queue a validated request (prompt ids in the vocabulary, within max_model_len with
-        its max_tokens; params normalized and validated)."""
+        its max_tokens; params normalized and validated). Returns it; with params.n > 1 it is
+        sample 0 of req.samples, the n requests of the prompt (ids consecutive)."""
         self._check_open()
-        rid = self.next_id()
         # A random request's tokens are drawn from noise keyed by (seed, token position)
         # (mtpkit.sampling.sampler): without a seed of its own it gets a fixed one from the
-        # engine's seed and its id, so it too is reproducible under preemption.
-        seed = None
-        if params.temperature > 0:
-            seed = params.seed if params.seed is not None else hash((self.seed, rid)) & (2**63 - 1)
-        req = Request(rid, ids, params, eos_token_ids, seed)
-        req.stats.num_spec = self.engine_config.num_spec
-        req.stop_matcher = stop_matcher
-        track(req)   # an asyncio call's thread records its requests, to abort them if cancelled (engine/loop.py)
-        self.scheduler.add(req)
-        return req
+        # engine's seed and its id, so it too is reproducible under preemption. Sample i of a
+        # seeded request draws as a request of seed + i would (modulo 2**64, as every seed).
+        samples = []
+        for i in range(params.n):
+            rid = self.next_id()
+            seed = None
+            if params.temperature > 0:
+                seed = (params.seed + i) % 2**64 if params.seed is not None else hash((self.seed, rid)) & (2**63 - 1)
+            req = Request(rid, ids, params, eos_token_ids, seed, sample_index=i)
+            req.stats.num_spec = self.engine_config.num_spec
+            # each sample matches stop strings in its own text
+            req.stop_matcher = stop_matcher if i == 0 or stop_matcher is None else \
+                StopStringMatcher(stop_matcher.tokenizer, stop_matcher.stops)
+            samples.append(req)
+        first = samples[0]
+        if len(samples) > 1:
+            for r in samples:
+                r.samples = samples
+            if len(ids) > 1:   # the prompt up to its last token is prefilled once, by sample 0
+                first.forks, first.fork_at = samples[1:], len(ids) - 1
+        for r in samples:
+            track(r)   # an asyncio call's thread records its requests, to abort them if cancelled (engine/loop.py)
+        for r in samples if not first.forks else [first]:
+            self.scheduler.add(r)
+        return first
 
     @_steps_wait
     def step(self) -> list[Request]:
@@ -168,8 +183,9 @@ class Engine:
             finished = self.scheduler.update(plan, results)
         except BaseException:
             # Interrupted mid-step (Ctrl-C, an error): its caches may be written and its results
-            # not applied. The step's requests start over; the caller's stream aborts its own.
-            self.scheduler.recompute(plan.reqs)
+            # not applied. The step's requests start over (and the samples it forked, whose
+            # copies may not have run); the caller's stream aborts its own.
+            self.scheduler.recompute(plan.reqs + [r for r in plan.forked if r not in plan.reqs])
             raise
         for r in finished:
             self.stats.merge(r.stats)
@@ -187,7 +203,7 @@ class Engine:
     def abort_ids(self, request_ids: set[int]) -> list[int]:
         """abort() the queued and running requests with these ids; returns their ids, sorted."""
         sched = self.scheduler
-        reqs = [r for r in itertools.chain(sched.waiting, sched.running) if r.req_id in request_ids]
+        reqs = [r for r in sched.unfinished() if r.req_id in request_ids]
         return sorted(r.req_id for r in sched.abort(reqs))
 
     # ---- scoring --------------------------------------------------------------------
