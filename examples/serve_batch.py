@@ -5,18 +5,22 @@
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \\
         --dynamo_backend no examples/serve_batch.py ...            # 2 CPU processes (gloo)
 
-Input lines are {"prompt": "text"} or {"prompt_token_ids": [1, 2, 3]}; blank lines are skipped;
-a line may add "structured": one of {"json": SCHEMA}, {"json_object": true}, {"regex": "..."},
-{"grammar": "..."}, {"choice": ["a", "b"]} (mtpkit.StructuredOutputs' fields, with
-"disable_any_whitespace" if wanted): its output then follows that format (and ends at eos even
-with --ignore-eos, since a finished structure can only end);
+Input lines are {"prompt": "text"} or {"prompt_token_ids": [1, 2, 3]}, with an optional "n": the
+number of samples of that prompt (needs --temperature > 0; the prompt is prefilled once and its
+KV shared), and an optional "structured": one of {"json": SCHEMA}, {"json_object": true},
+{"regex": "..."}, {"grammar": "..."}, {"choice": ["a", "b"]} (mtpkit.StructuredOutputs' fields,
+with "disable_any_whitespace" if wanted): its output then follows that format (and ends at eos
+even with --ignore-eos, since a finished structure can only end); blank lines are skipped;
 without --prompts a few built-in samples run. Before the model loads, the input is read and
 every line checked (JSON, one of the two keys, a non-empty str or a non-empty list of int token
 ids within the vocabulary, text only with a tokenizer) and the output's directory checked: a bad
 line stops the run with an error naming file:line and the problem (all bad lines at once), or,
 with --keep-going, becomes an error record while the other lines run. Output lines keep the
-input order: "index", "token_ids", "text", "finish_reason", the request's acceptance stats, and
-"error" for a line that could not run.
+input order: "index", "token_ids", "text", "finish_reason", the request's acceptance stats,
+with --logprobs / --prompt-logprobs N "logprobs" / "prompt_logprobs" (per position a list of
+{"token_id", "logprob", "rank", "decoded_token"}: its own token first, then the N likeliest),
+and "error" for a line that could not run; a line with n > 1 also has "samples", one such record
+per sample (the top-level fields are sample 0's; "prompt_logprobs" is the line's, once).
 Under `accelerate launch` of N processes, --tensor-parallel-size T (default N) makes N / T
 replicas of T consecutive ranks each (a TP group per replica). The prompts are dealt to the
 replicas by length (prompt tokens + max_tokens, longest first to the least loaded); a replica
@@ -72,6 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="engine seed (per-request sampling streams)")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help='write "logprobs": for each generated token, its logprob and rank and the N likeliest '
+                        "tokens' (SamplingParams.logprobs)")
+    p.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                   help='write "prompt_logprobs" likewise for every prompt token after the first')
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="auto")
@@ -137,6 +146,9 @@ def check_line(rec, has_tokenizer: bool, vocab_size: int | None) -> tuple:
         return (None, problem) if problem is not None else (StructuredPrompt(p, so), None)
     if not isinstance(rec, dict) or ("prompt" in rec) == ("prompt_token_ids" in rec):
         return None, 'expected an object with one of "prompt" (a str) or "prompt_token_ids" (a list of ints)'
+    n = rec.get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return None, f'"n" must be an int >= 1 (samples of the prompt), got {json.dumps(n)[:40]}'
     if "prompt" in rec:
         p = rec["prompt"]
         if not isinstance(p, str):
@@ -158,10 +170,22 @@ def check_line(rec, has_tokenizer: bool, vocab_size: int | None) -> tuple:
     return ids, None
 
 
+@dataclasses.dataclass(frozen=True)
+class Samples:
+    """A line's prompt with its "n" > 1 (a line without one is its prompt alone)."""
+
+    prompt: str | list
+    n: int
+
+
+def prompt_and_n(p) -> tuple:
+    return (p.prompt, p.n) if isinstance(p, Samples) else (p, 1)
+
+
 def read_prompts(path: str | None, has_tokenizer: bool, vocab_size: int | None = None) -> tuple[list, list]:
-    """Prompts in file order (a str, a token-id list, or a BadLine each) and their line numbers
-    in the file. Raises InputError when the file cannot be read (missing, a directory,
-    unreadable, not UTF-8)."""
+    """Prompts in file order (a str, a token-id list, a Samples, or a BadLine each) and their
+    line numbers in the file. Raises InputError when the file cannot be read (missing, a
+    directory, unreadable, not UTF-8)."""
     if path is None:
         # Token ids for a checkpoint without a tokenizer (the tiny test checkpoints).
         samples = SAMPLES if has_tokenizer else [[(7 * i + j) % 100 + 1 for j in range(5 + 3 * i)] for i in range(4)]
@@ -186,6 +210,8 @@ def read_prompts(path: str | None, has_tokenizer: bool, vocab_size: int | None =
             prompts.append(BadLine(f"{path}:{n}", f"not valid JSON ({e.msg} at column {e.colno})"))
             continue
         p, problem = check_line(rec, has_tokenizer, vocab_size)
+        if problem is None and rec.get("n", 1) > 1:
+            p = Samples(p, rec["n"])
         prompts.append(p if problem is None else BadLine(f"{path}:{n}", problem))
     if not prompts:
         raise InputError(f"--prompts {path} holds no prompts")
@@ -210,7 +236,8 @@ def error_record(i: int, bad: BadLine) -> dict:
 
 # The settings that decide a line's output (num_spec and the drafter do not: speculation never
 # changes what is generated); with the line's own text they make its fingerprint.
-OUTPUT_SETTINGS = ("model", "max_tokens", "temperature", "seed", "ignore_eos", "dtype", "max_model_len")
+OUTPUT_SETTINGS = ("model", "max_tokens", "temperature", "seed", "ignore_eos", "dtype", "max_model_len",
+                   "logprobs", "prompt_logprobs")
 
 
 def fingerprints(path: str | None, lines: list, args) -> dict:
@@ -224,13 +251,31 @@ def fingerprints(path: str | None, lines: list, args) -> dict:
     return out
 
 
+def logprob_records(entries: list) -> list:
+    """JSON of RequestOutput.logprobs / prompt_logprobs: per position (None for the first prompt
+    token) a list of {"token_id", "logprob", "rank", "decoded_token"}, the position's own token
+    first, then the likeliest by rank."""
+    return [None if d is None else [{"token_id": t, "logprob": lp.logprob, "rank": lp.rank,
+                                     "decoded_token": lp.decoded_token} for t, lp in d.items()]
+            for d in entries]
+
+
 def result(i: int, out) -> dict:
-    s = out.spec_stats
-    return {"index": i, "token_ids": out.token_ids, "text": out.text if out.text is not None else "",
-            "finish_reason": out.finish_reason,
-            "num_drafted": s.num_drafted, "num_accepted": s.num_accepted, "verify_steps": s.verify_steps,
-            "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
-            **({"error": out.error} if out.error else {})}
+    """The line's record: sample 0's fields, and with n > 1 every sample's under "samples"."""
+    def fields(c) -> dict:
+        s = c.spec_stats
+        return {"token_ids": c.token_ids, "text": c.text if c.text is not None else "",
+                "finish_reason": c.finish_reason,
+                "num_drafted": s.num_drafted, "num_accepted": s.num_accepted, "verify_steps": s.verify_steps,
+                "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
+                **({"logprobs": logprob_records(c.logprobs)} if c.logprobs is not None else {}),
+                **({"error": c.error} if c.error else {})}
+    rec = {"index": i, **fields(out)}
+    if out.prompt_logprobs is not None:
+        rec["prompt_logprobs"] = logprob_records(out.prompt_logprobs)
+    if len(out.outputs) > 1:
+        rec["samples"] = [{"index": c.index, **fields(c)} for c in out.outputs]
+    return rec
 
 
 def check_inputs(args) -> list:
@@ -250,6 +295,9 @@ def check_inputs(args) -> list:
     family.model_class.check_tensor_parallel(cfg, size, **(draft.target_kwargs if draft else {}))
     if draft is not None:
         draft.check_tensor_parallel(size)
+    # The sampling flags, checked as the engine will check them (negative --logprobs, ...).
+    SamplingParams(max_tokens=max(args.max_tokens, 1), temperature=args.temperature, logprobs=args.logprobs,
+                   prompt_logprobs=args.prompt_logprobs).validate(cfg.vocab_size)
     prompts, lines = read_prompts(args.prompts, (model / "tokenizer.json").exists(), cfg.vocab_size)
     bad = [p for p in prompts if isinstance(p, BadLine)]
     if bad and not args.keep_going:
@@ -411,7 +459,11 @@ def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
               max_model_len=args.max_model_len, dtype=args.dtype, seed=args.seed,
               device="cpu" if cpu else state.device, tensor_parallel_size=size, **memory_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            ignore_eos=args.ignore_eos)
+                            ignore_eos=args.ignore_eos, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
+
+    def per_line(i: int) -> SamplingParams:
+        p, n = prompt_and_n(prompts[i])
+        return line_params(p, params if n == 1 else dataclasses.replace(params, n=n))
     # Bad lines cost nothing to run: replica 0 writes them. The rest are dealt by length.
     bad = [i for i in todo if isinstance(prompts[i], BadLine)]
     costs, refused = {}, []
@@ -422,9 +474,9 @@ def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
         # every prompt on every rank: a replica that alone refused its share would leave the
         # others waiting for it. With --keep-going they come back as error outputs.
         try:
-            ids, _ = llm._validate(line_prompt(prompts[i]), line_params(prompts[i], params),
-                                   f"{args.prompts or 'sample'}:{lines[i]}")
-            costs[i] = len(ids) + args.max_tokens
+            ids, sp = llm._validate(line_prompt(prompt_and_n(prompts[i])[0]), per_line(i),
+                                    f"{args.prompts or 'sample'}:{lines[i]}")
+            costs[i] = len(ids) + sp.n * args.max_tokens
         except InputError as e:
             costs[i] = 0
             refused.append(str(e))
@@ -452,17 +504,21 @@ def run(args, prompts: list, lines: list, state, cpu: bool) -> int:
     start = time.perf_counter()
     for i in bad if replica == 0 else []:
         write(i, error_record(i, prompts[i]))
-    events = llm.stream([line_prompt(prompts[i]) for i in mine], [line_params(prompts[i], params) for i in mine],
+    events = llm.stream([line_prompt(prompt_and_n(prompts[i])[0]) for i in mine], [per_line(i) for i in mine],
                         errors="return" if args.keep_going else "raise") if mine else []
+    done = set()
     for ev in events:
-        if not ev.finished:
+        # a line is written once all its samples have finished (two finishing in one step
+        # both see the whole output: the first writes it)
+        if not ev.output.finished or ev.index in done:
             continue
+        done.add(ev.index)
         out = ev.output
         write(mine[ev.index], result(mine[ev.index], out))
         if out.error is None:
-            s = out.spec_stats
-            counts = [counts[0] + 1, counts[1] + len(out.token_ids), counts[2] + s.num_drafted,
-                      counts[3] + s.num_accepted]
+            counts = [counts[0] + 1, counts[1] + sum(len(c.token_ids) for c in out.outputs),
+                      counts[2] + sum(c.spec_stats.num_drafted for c in out.outputs),
+                      counts[3] + sum(c.spec_stats.num_accepted for c in out.outputs)]
         if lead:
             progress.report(counts)
     if lead:

@@ -1,5 +1,5 @@
 """`mtpkit generate "def fibonacci(n):" --num-spec 3`: stream a completion, then print the
-speculation stats. Several prompts run as one batch (each completion printed under its prompt's
+speculation stats. `mtpkit serve MODEL`: an OpenAI-compatible HTTP server (the `serve` extra). Several prompts run as one batch (each completion printed under its prompt's
 number); `-` reads a prompt from standard input. `--debug` checks every boundary and prints the
 shape trace of the run.
 Memory: `--gpu-memory-utilization 0.9` (CUDA) or `--memory-budget 64GiB` size the caches from
@@ -122,6 +122,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     g.add_argument("--top-k", type=_int_at_least(0), default=0, help="sample from the k likeliest tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
+    g.add_argument("--logprobs", type=_int_at_least(0), default=None, metavar="N",
+                   help="after the completion, print each generated token's logprob and rank and the N likeliest "
+                        "tokens at its position (the model's raw distribution)")
+    g.add_argument("--n", type=_int_at_least(1), default=1,
+                   help="samples per prompt (needs --temperature > 0), each printed; sample i uses seed + i")
     g.add_argument("--seed", type=_seed, default=None,
                    help="sampling seed, 0..2**64-1 (None: derived from the engine seed)")
     g.add_argument("--dtype", default="auto",
@@ -140,6 +145,29 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--regex", default=None, metavar="RE", help="the completion fully matches RE")
     s.add_argument("--choice", nargs="+", default=None, metavar="STR", help="the completion is one of these strings")
     add_memory_options(g)
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (pip install -e \".[serve]\")",
+                       description="Serve MODEL at /v1/completions, /v1/chat/completions, /v1/models, /health and "
+                                   "/metrics; every client's requests are batched together.",
+                       formatter_class=_Formatter)
+    s.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help="checkpoint directory, built-in name or Hugging Face hub repo id")
+    s.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: MODEL)")
+    s.add_argument("--num-spec", type=_int_at_least(0), default=3, help="draft tokens per step (0 = no speculation)")
+    s.add_argument("--draft-model", default=None, help="checkpoint of a separate drafter (default: the model's own)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface; set an API key)")
+    s.add_argument("--port", type=_int_at_least(0), default=8000, help="TCP port")
+    s.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $MTPKIT_API_KEY; unset: open)")
+    s.add_argument("--max-body-bytes", type=byte_count, default=1 << 20, metavar="BYTES",
+                   help="largest request body accepted (larger: 413)")
+    s.add_argument("--max-num-seqs", type=_int_at_least(1), default=8, help="requests decoded together at most")
+    s.add_argument("--max-model-len", type=_int_at_least(2), default=None,
+                   help="longest sequence, prompt and completion (None: the model's, at most 4096)")
+    s.add_argument("--dtype", default="auto", help="as for generate")
+    s.add_argument("--device", default=None, help="cpu, cuda or cuda:N (None: CUDA when a GPU is present)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
+    add_memory_options(s)
     sub.add_parser("models", help="list the built-in models", formatter_class=_Formatter)
     return p
 
@@ -183,6 +211,19 @@ def _structured(args):
     return None
 
 
+def logprob_table(out) -> str:
+    """One line per generated token: its text, logprob and rank, then the likeliest tokens'."""
+    lines = []
+    for t, entry in zip(out.token_ids, out.logprobs or []):
+        own = entry[t]
+        name = own.decoded_token if own.decoded_token is not None else f"[{t}]"
+        tops = sorted((lp.rank, k, lp) for k, lp in entry.items() if k != t or len(entry) == 1)
+        alts = "  ".join(f"{(lp.decoded_token if lp.decoded_token is not None else f'[{k}]')!r} {lp.logprob:.3f}"
+                         for _, k, lp in tops if len(entry) > 1)
+        lines.append(f"  {name!r:>12} {own.logprob:9.4f} {own.rank:5d}" + (f"   {alts}" if alts else ""))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -203,6 +244,8 @@ def _main(args) -> int:
     if args.command == "models":
         print("\n".join(describe_builtin(m) for m in builtin_models()) or "(none)")
         return 0
+    if args.command == "serve":
+        return _serve(args)
     prompts = _read_prompts(args.prompts)
     single = len(prompts) == 1
     outs: dict[int, object] = {}
@@ -212,12 +255,13 @@ def _main(args) -> int:
                          **memory_kwargs(args))
         params = mtpkit.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-                                       structured_outputs=_structured(args))
+                                       logprobs=args.logprobs, n=args.n, structured_outputs=_structured(args))
         trace = mtpkit.set_debug(True) if args.debug else None
         t0 = time.perf_counter()
         for ev in llm.stream(prompts[0] if single else prompts, params):
             outs[ev.index] = ev.output
-            if single and not args.no_stream and ev.delta:  # final text only: never half a character
+            # final text only: never half a character; several samples are printed at the end
+            if single and args.n == 1 and not args.no_stream and ev.delta:
                 sys.stdout.write(ev.delta)
                 sys.stdout.flush()
         elapsed = time.perf_counter() - t0
@@ -226,8 +270,8 @@ def _main(args) -> int:
         return 2
     except KeyboardInterrupt:  # Ctrl-C: what was generated, one line saying so, no traceback
         out = outs.get(0)
-        n = sum(len(o.token_ids) for o in outs.values())
-        if single and args.no_stream and out is not None:
+        n = sum(len(c.token_ids) for o in outs.values() for c in o.outputs)
+        if single and args.n == 1 and args.no_stream and out is not None:
             sys.stdout.write(out.text or " ".join(map(str, out.token_ids)))
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -237,20 +281,55 @@ def _main(args) -> int:
         out = outs[i]
         if not single:
             sys.stdout.write(f"{'' if i == 0 else chr(10) * 2}=== [{i}] {prompts[i][:60]!r}\n")
-        if not single or args.no_stream:
-            sys.stdout.write(out.text or " ".join(map(str, out.token_ids)))
-    n = sum(len(o.token_ids) for o in outs.values())
-    reasons = sorted({o.finish_reason for o in outs.values()})
+        for c in out.outputs:
+            if args.n > 1:
+                sys.stdout.write(f"{'' if i == 0 and c.index == 0 and single else chr(10)}--- sample {c.index}\n")
+            if not single or args.no_stream or args.n > 1:
+                sys.stdout.write(c.text or " ".join(map(str, c.token_ids)))
+    n = sum(len(c.token_ids) for o in outs.values() for c in o.outputs)
+    reasons = sorted({c.finish_reason for o in outs.values() for c in o.outputs})
     print(f"\n\n--- {n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tok/s), finish_reason="
           f"{','.join(reasons) if len(reasons) > 1 else reasons[0]}")
     if args.num_spec:
-        s = llm.stats if not single else outs[0].spec_stats
+        s = llm.stats if not single or args.n > 1 else outs[0].spec_stats   # every sample's
         print(f"--- num_spec={args.num_spec}: mean acceptance length {s.mean_acceptance_length:.2f} "
               f"over {s.verify_steps} verify steps; accepted {s.num_accepted}/{s.num_drafted} drafts; "
               f"acceptance per position [{_rates(s)}]")
+    if args.logprobs is not None:
+        for i in sorted(outs):
+            for c in outs[i].outputs:
+                where = ("" if single else f" of [{i}]") + (f" sample {c.index}" if args.n > 1 else "")
+                print(f"\n--- logprobs{where} (token, logprob, rank"
+                      f"{f'; then the others of the {args.logprobs} likeliest' if args.logprobs else ''}):")
+                print(logprob_table(c))
     if trace is not None:
         print(f"\n--- shape trace ({len(trace)} checked calls; the last 40):")
         print(trace.table(last=40, args=False))
+    return 0
+
+
+def _serve(args) -> int:
+    import mtpkit
+    try:
+        from mtpkit.serve import check_single_process, serve
+        import fastapi, uvicorn  # noqa: F401, E401 - the optional extra, checked before the model loads
+    except ImportError as e:
+        print(f"error: mtpkit serve needs FastAPI and uvicorn ({e}): pip install -e \".[serve]\" "
+              "(or pip install fastapi uvicorn)", file=sys.stderr)
+        return 2
+    try:
+        check_single_process()
+        api_key = args.api_key or os.environ.get("MTPKIT_API_KEY") or None
+        llm = mtpkit.LLM(args.model, num_spec=args.num_spec, draft_model=args.draft_model, dtype=args.dtype,
+                         device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                         **memory_kwargs(args))
+        print(f"--- serving {args.model} (num_spec={args.num_spec}) at http://{args.host}:{args.port}/v1"
+              + ("" if api_key else " without an API key"), file=sys.stderr)
+        serve(llm, model_name=args.served_model_name or args.model, host=args.host, port=args.port,
+              api_key=api_key, max_body_bytes=args.max_body_bytes, log_level=args.log_level)
+    except mtpkit.MtpkitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -6,11 +6,12 @@ when they are added.
 """
 
 import contextlib
+import functools
 import dataclasses
 import inspect
 import numbers
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -19,7 +20,8 @@ from mtpkit.engine.args import EngineArgs
 from mtpkit.engine.build import build_engine, open_checkpoint
 from mtpkit.engine.inputs import (id_sequence, is_bool, normalize_sampling_params, prompt_list, short_repr,
                                   utf8_text)
-from mtpkit.engine.request import Request, RequestOutput, SpecStats, Status
+from mtpkit.engine.loop import run_call, stream_call
+from mtpkit.engine.request import CompletionOutput, Request, RequestOutput, SpecStats, Status
 from mtpkit.errors import InputError
 from mtpkit.sampling.params import SamplingParams
 from mtpkit.text.chat import load_chat_template, special_tokens
@@ -34,16 +36,19 @@ MAX_LISTED = 20   # bad prompts listed in one error (then a count)
 
 @dataclasses.dataclass
 class StreamEvent:
-    """One request's increment after a step."""
+    """One sample's increment after a step (a prompt has SamplingParams.n samples, 1 by
+    default: new_token_ids, text, delta, finished and new_logprobs are sample
+    `sample_index`'s; `output` is the prompt's, every sample so far in output.outputs)."""
 
     index: int                      # position of the prompt in the call
     new_token_ids: list[int]
     text: str                       # all final text so far (the whole text on the finishing event)
-    finished: bool
+    finished: bool                  # this sample finished (output.finished: all of the prompt's)
     output: RequestOutput
     delta: str = ""                 # text that became final at this event (never half a character)
     # SamplingParams.logprobs: one {token_id: Logprob} per token of new_token_ids; else None.
     new_logprobs: list | None = None
+    sample_index: int = 0           # which of the prompt's samples (output.outputs[sample_index])
 
 
 class LLM:
@@ -159,6 +164,12 @@ class LLM:
                 self._grammar_compiler().compile(params.structured_outputs)   # cached per distinct spec
             except InputError as e:
                 raise InputError(f"{where}: {e}") from None
+        # A prompt's samples are admitted together (seats and state slots for all; the state
+        # pool holds max_num_seqs requests, engine/build.py checks): they must fit at once.
+        seqs = self.engine_config.max_num_seqs
+        if params.n > seqs:
+            raise InputError(f"{where}: n={params.n} samples run together but max_num_seqs={seqs}; "
+                             f"lower n or raise max_num_seqs to at least {params.n}")
         ids = self._tokens(prompt, where)
         total, limit = len(ids) + params.max_tokens, self.engine_config.max_model_len
         if total > limit:
@@ -186,10 +197,10 @@ class LLM:
     def _enqueue(self, ids: list[int], params: SamplingParams) -> Request:
         """Queue an already validated request."""
         matcher = StopStringMatcher(self.tokenizer, params.stop) if params.stop else None
-        grammar = (None if params.structured_outputs is None
-                   else self._grammar_compiler().request_grammar(params.structured_outputs))
+        new_grammar = (None if params.structured_outputs is None   # a matcher per request (per sample)
+                       else functools.partial(self._grammar_compiler().request_grammar, params.structured_outputs))
         return self.engine.add(ids, params, eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
-                               stop_matcher=matcher, grammar=grammar)
+                               stop_matcher=matcher, new_grammar=new_grammar)
 
     # ---- running --------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -252,10 +263,12 @@ class LLM:
         try:
             for i, msg in problems.items():
                 yield StreamEvent(i, [], "", True, self._error_output(prompts[i], msg))
-            index = {r.req_id: i for i, r in reqs.items()}
-            seen = {r.req_id: 0 for r in reqs.values()}
-            detok = {r.req_id: IncrementalDetokenizer(self.tokenizer, stop=r.params.stop) for r in reqs.values()}
-            live = {r.req_id: r for r in reqs.values()}
+            samples = [s for r in reqs.values() for s in (r.samples or [r])]
+            index = {s.req_id: i for i, r in reqs.items() for s in (r.samples or [r])}
+            seen = {r.req_id: 0 for r in samples}
+            detok = {r.req_id: IncrementalDetokenizer(self.tokenizer, stop=r.params.stop) for r in samples}
+            live = {r.req_id: r for r in samples}
+            texts = {}   # each sample's CompletionOutput as last built (rebuilt when it changes)
             while live:
                 stepped = self.step()
                 # Requests aborted meanwhile (LLM.abort) are in no step: report them too.
@@ -273,17 +286,19 @@ class LLM:
                             new_lps = self._decode_logprobs(r.output_logprobs[start:seen[r.req_id]])
                         if start == 0 and r.prompt_logprobs is not None:  # complete once a token is out
                             self._decode_logprobs(r.prompt_logprobs[1:])
-                        out, d = self._output(r), detok[r.req_id]
-                        delta = d.add(new, final=out.finished)
-                        yield StreamEvent(index[r.req_id], new, d.text, out.finished, out, delta, new_lps)
+                        out, d = self._output(r, texts), detok[r.req_id]
+                        delta = d.add(new, final=finished)
+                        yield StreamEvent(index[r.req_id], new, d.text, finished, out, delta, new_lps,
+                                          r.sample_index)
                     if finished:
                         del live[r.req_id]
         finally:
-            self.engine.abort(list(reqs.values()))
+            self.engine.abort([s for r in reqs.values() for s in (r.samples or [r])])
 
     def generate(self, prompts, sampling_params=None, *, errors: str = "raise",
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. prompts: a str, a list of token ids, or a
+        """One RequestOutput per prompt, in order (SamplingParams.n samples of it in .outputs).
+        prompts: a str, a list of token ids, or a
         list of those (see prompt_list). errors='raise' refuses the whole call if any prompt
         is bad (before any model work); errors='return' runs the others and returns the bad
         ones with .error set. An exception (KeyboardInterrupt included) aborts the call's
@@ -299,11 +314,36 @@ class LLM:
             for ev in events:
                 if bar is not None:
                     bar.update(len(ev.new_token_ids))
-                if ev.finished:
+                if ev.output.finished:   # every sample of the prompt
                     outputs[ev.index] = ev.output
         if bar is not None:
             bar.close()
         return [outputs[i] for i in sorted(outputs)]
+
+    # ---- asyncio: each call on a thread of its own, never on the event loop (engine/loop.py)
+    def _check_async(self) -> None:
+        if self.engine.tp.size > 1:
+            raise InputError("asyncio calls under tensor parallelism: every rank must make the same calls in the "
+                             "same order, so call generate / stream from one thread on every rank")
+
+    async def agenerate(self, prompts, sampling_params=None, **kwargs) -> list[RequestOutput]:
+        """`await llm.agenerate(...)`: generate() with the same arguments, run on a thread of its
+        own, batched with every other call in flight. Cancelling the awaiting task aborts this
+        call's requests (freed when the cancellation returns)."""
+        self._check_async()
+        return await run_call(lambda: self.generate(prompts, sampling_params, **kwargs), self.engine.abort)
+
+    async def achat(self, messages, sampling_params=None, **kwargs) -> list[RequestOutput]:
+        """`await llm.achat(...)`: chat() with the same arguments, as agenerate runs generate()."""
+        self._check_async()
+        return await run_call(lambda: self.chat(messages, sampling_params, **kwargs), self.engine.abort)
+
+    def astream(self, prompts, sampling_params=None, *, errors: str = "raise") -> AsyncIterator[StreamEvent]:
+        """`async for ev in llm.astream(...)`: stream()'s events, the stream run on a thread of its
+        own. Cancelling the task or closing the iterator early (aclose) aborts this call's
+        requests; a bad input raises at the first event, before anything is queued."""
+        self._check_async()
+        return stream_call(lambda: self.stream(prompts, sampling_params, errors=errors), self.engine.abort)
 
     def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, chat_template: str | None = None,
                             tokenize: bool = True, **template_kwargs) -> list:
@@ -335,15 +375,30 @@ class LLM:
                                        chat_template=chat_template, **(chat_template_kwargs or {}))
         return self.generate(ids if len(ids) > 1 else ids[0], sampling_params, errors=errors, use_tqdm=use_tqdm)
 
-    def _output(self, r: Request) -> RequestOutput:
+    def _completion(self, r: Request, built: dict | None = None) -> CompletionOutput:
+        """Sample r as a CompletionOutput; `built` keeps the last one per sample, reused while
+        r has neither new tokens nor an end."""
+        key = (len(r.output_token_ids), r.finish_reason)
+        if built is not None and built.get(r.req_id, (None,))[0] == key:
+            return built[r.req_id][1]
         text = None
         if self.tokenizer is not None:
             text = cut_at_stop(self.tokenizer.decode(r.output_token_ids), r.params.stop)
-        return RequestOutput(r.req_id, list(r.prompt_token_ids), list(r.output_token_ids), text,
-                             r.finish_reason, r.stats, r.error, r.num_preemptions,
-                             list(r.token_steps), list(r.token_draft_positions), self.tokenizer,
-                             None if r.output_logprobs is None else list(r.output_logprobs),
-                             None if r.prompt_logprobs is None else list(r.prompt_logprobs))
+        out = CompletionOutput(r.sample_index, r.req_id, list(r.output_token_ids), text, r.finish_reason, r.stats,
+                               None if r.output_logprobs is None else list(r.output_logprobs), r.error,
+                               r.num_preemptions, list(r.token_steps), list(r.token_draft_positions))
+        if built is not None:
+            built[r.req_id] = (key, out)
+        return out
+
+    def _output(self, r: Request, built: dict | None = None) -> RequestOutput:
+        """The RequestOutput of r's prompt: every sample in .outputs, the fields those of sample 0."""
+        outs = [self._completion(s, built) for s in (r.samples or [r])]
+        first, o = (r.samples or [r])[0], outs[0]
+        return RequestOutput(first.req_id, list(first.prompt_token_ids), o.token_ids, o.text,
+                             o.finish_reason, o.spec_stats, o.error, o.num_preemptions,
+                             o.token_steps, o.token_draft_positions, self.tokenizer, o.logprobs,
+                             None if first.prompt_logprobs is None else list(first.prompt_logprobs), outs)
 
     def _decode_logprobs(self, entries: list) -> list:
         """Fill each Logprob's decoded_token (the token's text alone), once per entry; returns entries."""

@@ -265,7 +265,7 @@ def chat_llm(tmp_path_factory):
     """The embedded model with the Qwen-style template in tokenizer_config.json."""
     d = tmp_path_factory.mktemp("chat-model")
     for p in TINY.iterdir():
-        if p.name != "README.md":
+        if p.name not in ("README.md", "chat_template.jinja"):   # the .jinja file would come first
             (d / p.name).symlink_to(p)
     (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
                                                          "eos_token": "<|endoftext|>", "chat_template": QWEN3}))
@@ -291,8 +291,21 @@ def test_chat_generates_from_the_rendered_conversation(chat_llm):
     assert o.prompt_token_ids == llm.tokenizer.encode(convs[0][0]["content"], add_special_tokens=False).ids
 
 
-def test_chat_without_a_template_says_what_to_do():
-    llm = LLM("tiny-qwen3-next", max_model_len=64)
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-gemma4"])
+def test_the_embedded_models_chat_out_of_the_box(name):
+    # their small template writes the conversation as Python comments (mtpkit/assets/*/chat_template.jinja)
+    llm = LLM(name, max_model_len=96)
+    conv = [{"role": "system", "content": "be\nbrief"}, {"role": "user", "content": "a stack"}]
+    assert llm.apply_chat_template(conv, tokenize=False) == ["# system: be\n# brief\n# user: a stack\n# assistant:\n"]
+    [o] = llm.chat(conv, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert o.prompt_token_ids == llm.apply_chat_template(conv)[0] and len(o.token_ids) == 4
+
+
+def test_chat_without_a_template_says_what_to_do(tmp_path):
+    for p in TINY.iterdir():   # the embedded model without its template
+        if p.name != "chat_template.jinja":
+            (tmp_path / p.name).symlink_to(p)
+    llm = LLM(str(tmp_path), max_model_len=64)
     with pytest.raises(InputError, match="no chat template.*chat_template="):
         llm.chat([{"role": "user", "content": "hi"}])
     with pytest.raises(InputError, match="message dicts"):

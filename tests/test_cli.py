@@ -1,6 +1,6 @@
 """The command line as a user runs it (issue 31, item 5): the dtype default its help states,
---max-num-seqs, several prompts and `-` for standard input, a closed pipe, and draft positions
-never tried."""
+--max-num-seqs, several prompts and `-` for standard input, --n samples, a closed pipe, and
+draft positions never tried."""
 
 import io
 import os
@@ -57,6 +57,23 @@ def test_several_prompts_run_as_one_batch_each_printed_under_its_number(capsys):
     assert expected[1].text in second and "--- 24 tokens in" in second
 
 
+def test_n_prints_every_sample(capsys):
+    """--n 3: each sample under its number (sample i with --seed + i), stats over all; n > 1
+    with greedy decoding is refused with the fix."""
+    assert cli.main(["generate", "def f(x):", "--n", "3", "--temperature", "0.8", "--seed", "5",
+                     "--max-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    want = LLM("tiny-qwen3-next", num_spec=3).generate(
+        ["def f(x):"] * 3, [SamplingParams(max_tokens=6, temperature=0.8, seed=5 + i) for i in range(3)])
+    parts = out.split("--- sample ")
+    assert [p[0] for p in parts[1:]] == ["0", "1", "2"]
+    for part, o in zip(parts[1:], want):
+        assert part.startswith(f"{parts.index(part) - 1}\n{o.text}")
+    assert "--- 18 tokens in" in out
+    assert cli.main(["generate", "def f(x):", "--n", "2"]) == 2
+    assert "set temperature > 0" in capsys.readouterr().err
+
+
 def test_dash_reads_the_prompt_from_stdin(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("def fibonacci(n):\n"))
     assert cli.main(["generate", "-", "--max-tokens", "8", "--num-spec", "0"]) == 0
@@ -81,3 +98,16 @@ def test_a_closed_pipe_ends_quietly():
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_logprobs_flag_prints_each_tokens_logprob_and_the_likeliest(capsys):
+    assert cli.main(["generate", "def f(x):", "--max-tokens", "6", "--logprobs", "2"]) == 0
+    out = capsys.readouterr().out
+    ref = LLM("tiny-qwen3-next").generate("def f(x):", SamplingParams(max_tokens=6, logprobs=2))[0]
+    rows = out.split("--- logprobs")[1].splitlines()[1:1 + len(ref.token_ids)]
+    assert len(rows) == len(ref.token_ids)
+    for row, t, entry in zip(rows, ref.token_ids, ref.logprobs):
+        assert row.strip().startswith(repr(ref.tokenizer.decode([t]))), row
+        assert f"{entry[t].logprob:9.4f} {entry[t].rank:5d}" in row, row
+        others = [lp for k, lp in entry.items() if k != t]
+        assert all(f"{lp.logprob:.3f}" in row for lp in others), row

@@ -26,8 +26,9 @@ FLOORS: dict[str, int] = {
     "mtpkit.graphs": 8,
     "mtpkit.engine": 9,
     "mtpkit.llm": 10,                                   # the facade
-    "mtpkit.cli": 11, "mtpkit.notebook": 11,
-    "mtpkit": 12,                                       # the package's own __init__ / __main__
+    "mtpkit.notebook": 11, "mtpkit.serve": 11,          # the notebook view; the HTTP server
+    "mtpkit.cli": 12,                                   # the command line (`mtpkit serve` starts the server)
+    "mtpkit": 13,                                       # the package's own __init__ / __main__
 }
 
 

@@ -2,7 +2,9 @@
 widget state against the outputs and LLM.stats), the Stop button and the notebook interrupt,
 the rich displays, and the two example notebooks executed headless."""
 
+import html
 import html.parser
+import re
 import json
 from pathlib import Path
 
@@ -167,6 +169,26 @@ def test_no_view_without_ipywidgets(monkeypatch):
 
 
 # ---- rich displays ---------------------------------------------------------------------
+def test_logprobs_show_on_hover(llm):
+    o = llm.generate("import sys\n", SamplingParams(max_tokens=8, logprobs=3))[0]
+    markup = o._repr_html_()
+    found = re.findall(r'<span class="mtp-tok"[^>]*data-logprob="([^"]+)" data-rank="(\d+)" title="([^"]*)"', markup)
+    assert len(found) == len(o.token_ids)
+    for (lp, rank, title), t, entry in zip(found, o.token_ids, o.logprobs):
+        assert abs(float(lp) - entry[t].logprob) < 1e-5 and int(rank) == entry[t].rank
+        title = html.unescape(title)
+        assert f"logprob {entry[t].logprob:.3f} (rank {entry[t].rank})" in title and "top: " in title
+        best = min(entry.values(), key=lambda x: x.rank)
+        assert f"{best.decoded_token!r}: {best.logprob:.3f}" in title, title
+    plain = llm.generate("import sys\n", SamplingParams(max_tokens=8))[0]._repr_html_()
+    assert "data-logprob" not in plain and "logprob" not in plain
+    # the live view's panels likewise
+    outs = nbview.watch(llm, ["import sys\n"], SamplingParams(max_tokens=8, logprobs=3), display=True)
+    live = re.findall(r'data-logprob="([^"]+)"', nbview.last_view.panels[0].text.value)
+    assert [float(x) for x in live] == pytest.approx([e[t].logprob for t, e in zip(outs[0].token_ids, outs[0].logprobs)],
+                                                     abs=1e-5)
+
+
 def test_request_output_and_stats_html(llm):
     o = llm.generate("import sys\n", SamplingParams(max_tokens=30))[0]
     spans = _Spans(o._repr_html_())

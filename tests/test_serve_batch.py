@@ -67,3 +67,44 @@ def test_error_records_have_empty_text(serve_batch, tmp_path):
     (tmp_path / "in.jsonl").write_text('{"prompt": "def f(x):"}\n{"nope": 1}\n')
     recs = _run(serve_batch, tmp_path, "--keep-going")
     assert recs[1]["finish_reason"] == "error" and recs[1]["text"] == "" and recs[0]["text"]
+
+
+def test_logprobs_are_written_per_token(serve_batch, tmp_path):
+    _write(tmp_path, ["def f(x):", "import os"])
+    recs = _run(serve_batch, tmp_path, "--logprobs", "2", "--prompt-logprobs", "1")
+    llm = LLM("tiny-qwen3-next")
+    for rec, prompt in zip(recs, ["def f(x):", "import os"]):
+        ref = llm.generate(prompt, SamplingParams(max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=1))[0]
+        assert rec["token_ids"] == ref.token_ids and len(rec["logprobs"]) == len(ref.token_ids)
+        for pos, t, entry in zip(rec["logprobs"], ref.token_ids, ref.logprobs):
+            assert pos[0]["token_id"] == t and pos[0]["decoded_token"] == llm.tokenizer.decode([t])
+            assert {e["token_id"] for e in pos} == set(entry)
+            for e in pos:
+                assert abs(e["logprob"] - entry[e["token_id"]].logprob) < 1e-5 and e["rank"] == entry[e["token_id"]].rank
+        assert rec["prompt_logprobs"][0] is None and len(rec["prompt_logprobs"]) == len(ref.prompt_token_ids)
+        assert [p[0]["token_id"] for p in rec["prompt_logprobs"][1:]] == ref.prompt_token_ids[1:]
+    plain = _run(serve_batch, tmp_path)
+    assert "logprobs" not in plain[0] and [r["token_ids"] for r in plain] == [r["token_ids"] for r in recs]
+
+
+def test_bad_logprobs_flag_is_refused_before_the_model_loads(serve_batch, tmp_path, capsys):
+    _write(tmp_path, ["def f(x):"])
+    rc = serve_batch.main(ARGS + ["--prompts", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o.jsonl"),
+                                  "--logprobs", "-1"])
+    assert rc != 0 and "logprobs=-1" in capsys.readouterr().err and not (tmp_path / "o.jsonl").exists()
+
+
+def test_n_samples_per_line(serve_batch, tmp_path):
+    """A line's "n": every sample in its record's "samples" (the top-level fields are sample
+    0's), the tokens LLM.generate gives with n; a bad "n" is an error record."""
+    lines = [{"prompt": "def f(x):", "n": 3}, {"prompt": "import os"}, {"prompt": "x", "n": 0}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+    recs = _run(serve_batch, tmp_path, "--keep-going", "--temperature", "0.8")
+    params = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.8)
+    want = LLM("tiny-qwen3-next").generate(["def f(x):", "import os"], [SamplingParams(**{**vars(params), "n": 3}),
+                                                                      params])
+    assert [s["token_ids"] for s in recs[0]["samples"]] == [c.token_ids for c in want[0].outputs]
+    assert [s["index"] for s in recs[0]["samples"]] == [0, 1, 2]
+    assert recs[0]["token_ids"] == recs[0]["samples"][0]["token_ids"]
+    assert "samples" not in recs[1] and recs[1]["token_ids"] == want[1].token_ids
+    assert recs[2]["finish_reason"] == "error" and '"n" must be an int >= 1' in recs[2]["error"]

@@ -9,6 +9,7 @@ through its own prefill path. engine/build.py builds one from a checkpoint.
 import functools
 import itertools
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -16,11 +17,13 @@ import torch
 from mtpkit.config import EngineConfig
 from mtpkit.engine.allocators import SlotAllocator
 from mtpkit.engine.kv_pools import KVPools
+from mtpkit.engine.loop import track
 from mtpkit.engine.memory_plan import MemoryPlan
 from mtpkit.engine.pool_sizing import PoolSizes
 from mtpkit.engine.request import Request, SpecStats
 from mtpkit.engine.runner import ModelRunner
 from mtpkit.engine.scheduler import Scheduler
+from mtpkit.engine.step_log import StepLog
 from mtpkit.errors import InputError
 from mtpkit.graphs.plan import CapturePlan
 from mtpkit.parallel import TP
@@ -33,9 +36,31 @@ from mtpkit.text.stop_strings import StopStringMatcher
 
 def _serialized(method):
     """One engine call at a time: a step, a queueing, an abort or a score from another thread
-    waits for the one running (its caches, pools and scheduler lists are not shared safely)."""
+    waits for the one running (its caches, pools and scheduler lists are not shared safely).
+    Every call but a step goes before the next step (`_steps_wait`): while any caller streams,
+    steps run back to back, and a lock handed over unfairly would keep a new caller's requests
+    out of the batch for many steps."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
+        with self._turn:
+            self._pending += 1
+        try:
+            with self._lock:
+                return method(self, *args, **kwargs)
+        finally:
+            with self._turn:
+                self._pending -= 1
+                if not self._pending:
+                    self._turn.notify_all()
+    return run
+
+
+def _steps_wait(method):
+    """A step: after the queueings, aborts and scores already waiting, then as _serialized."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._turn:
+            self._turn.wait_for(lambda: not self._pending)
         with self._lock:
             return method(self, *args, **kwargs)
     return run
@@ -59,6 +84,8 @@ class Engine:
         self.threads_changed: tuple[int, int] | None = None   # (before, set): build.set_cpu_threads
         self.closed = False
         self._lock = threading.RLock()
+        self._turn, self._pending = threading.Condition(threading.Lock()), 0   # calls waiting to go before a step
+        self.step_log = StepLog()   # the last steps' request ids and token counts (engine/step_log.py)
         self._assemble(cache, pool_sizes)
 
     def next_id(self) -> int:
@@ -76,7 +103,7 @@ class Engine:
         if self.closed:
             return
         self.closed = True
-        self.abort(list(self.scheduler.waiting) + list(self.scheduler.running))
+        self.abort(self.scheduler.unfinished())
         if self.threads_changed is not None:
             before, set_to = self.threads_changed
             if torch.get_num_threads() == set_to:
@@ -110,41 +137,63 @@ class Engine:
     # ---- requests -------------------------------------------------------------------
     @_serialized
     def add(self, ids: list[int], params: SamplingParams, *, eos_token_ids: tuple[int, ...],
-            stop_matcher: StopStringMatcher | None = None, grammar=None) -> Request:
+            stop_matcher: StopStringMatcher | None = None, new_grammar=None) -> Request:
         """Queue a validated request (prompt ids in the vocabulary, within max_model_len with
-        its max_tokens; params normalized and validated). `grammar`: its structured outputs'
-        matcher (structured.matcher.RequestGrammar), or None."""
+        its max_tokens; params normalized and validated). Returns it; with params.n > 1 it is
+        sample 0 of req.samples, the n requests of the prompt (ids consecutive). `new_grammar`:
+        makes a request's structured outputs matcher (structured.matcher.RequestGrammar; one per
+        sample), or None."""
         self._check_open()
-        rid = self.next_id()
         # A random request's tokens are drawn from noise keyed by (seed, token position)
         # (mtpkit.sampling.sampler): without a seed of its own it gets a fixed one from the
-        # engine's seed and its id, so it too is reproducible under preemption.
-        seed = None
-        if params.temperature > 0:
-            seed = params.seed if params.seed is not None else hash((self.seed, rid)) & (2**63 - 1)
-        req = Request(rid, ids, params, eos_token_ids, seed)
-        req.stats.num_spec = self.engine_config.num_spec
-        req.stop_matcher, req.grammar = stop_matcher, grammar
-        self.scheduler.add(req)
-        return req
+        # engine's seed and its id, so it too is reproducible under preemption. Sample i of a
+        # seeded request draws as a request of seed + i would (modulo 2**64, as every seed).
+        samples = []
+        for i in range(params.n):
+            rid = self.next_id()
+            seed = None
+            if params.temperature > 0:
+                seed = (params.seed + i) % 2**64 if params.seed is not None else hash((self.seed, rid)) & (2**63 - 1)
+            req = Request(rid, ids, params, eos_token_ids, seed, sample_index=i)
+            req.stats.num_spec = self.engine_config.num_spec
+            req.grammar = new_grammar() if new_grammar is not None else None
+            # each sample matches stop strings in its own text
+            req.stop_matcher = stop_matcher if i == 0 or stop_matcher is None else \
+                StopStringMatcher(stop_matcher.tokenizer, stop_matcher.stops)
+            samples.append(req)
+        first = samples[0]
+        if len(samples) > 1:
+            for r in samples:
+                r.samples = samples
+            if len(ids) > 1:   # the prompt up to its last token is prefilled once, by sample 0
+                first.forks, first.fork_at = samples[1:], len(ids) - 1
+        for r in samples:
+            track(r)   # an asyncio call's thread records its requests, to abort them if cancelled (engine/loop.py)
+        for r in samples if not first.forks else [first]:
+            self.scheduler.add(r)
+        return first
 
-    @_serialized
+    @_steps_wait
     def step(self) -> list[Request]:
         """Run one step; returns the requests it advanced."""
         self._check_open()
         plan = self.scheduler.schedule()
         if plan is None:
             return []
+        start, emitted = time.monotonic(), sum(len(r.output_token_ids) for r in plan.reqs)
         try:
             results = self.runner.execute(plan)
             finished = self.scheduler.update(plan, results)
         except BaseException:
             # Interrupted mid-step (Ctrl-C, an error): its caches may be written and its results
-            # not applied. The step's requests start over; the caller's stream aborts its own.
-            self.scheduler.recompute(plan.reqs)
+            # not applied. The step's requests start over (and the samples it forked, whose
+            # copies may not have run); the caller's stream aborts its own.
+            self.scheduler.recompute(plan.reqs + [r for r in plan.forked if r not in plan.reqs])
             raise
         for r in finished:
             self.stats.merge(r.stats)
+        self.step_log.record(plan.kind.value, tuple(r.req_id for r in plan.reqs),
+                             sum(len(r.output_token_ids) for r in plan.reqs) - emitted, start)
         return plan.reqs
 
     @_serialized
@@ -157,7 +206,7 @@ class Engine:
     def abort_ids(self, request_ids: set[int]) -> list[int]:
         """abort() the queued and running requests with these ids; returns their ids, sorted."""
         sched = self.scheduler
-        reqs = [r for r in itertools.chain(sched.waiting, sched.running) if r.req_id in request_ids]
+        reqs = [r for r in sched.unfinished() if r.req_id in request_ids]
         return sorted(r.req_id for r in sched.abort(reqs))
 
     # ---- scoring --------------------------------------------------------------------

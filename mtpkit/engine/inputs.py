@@ -105,7 +105,7 @@ def normalize_sampling_params(params) -> SamplingParams:
         raise InputError(f"sampling_params={short_repr(params)} ({type(params).__name__}) must be a SamplingParams "
                          "or a list of them, one per prompt; e.g. SamplingParams(**d) for a dict d")
     problems, values = [], {}
-    for name, integer in (("max_tokens", True), ("top_k", True), ("seed", True),
+    for name, integer in (("max_tokens", True), ("top_k", True), ("seed", True), ("n", True),
                           ("temperature", False), ("top_p", False)):
         v = getattr(params, name)
         if is_bool(v):

@@ -13,6 +13,14 @@ their entries become the null block 0. Nothing below that position is ever read:
 attention kernels start at the window, and the torch gathers clamp positions below it to the
 first one the window needs (paged.context_slots). A sliding pool's demand per request is
 then bounded by its window, the step's own tokens and the read-back, whatever the context.
+
+Sharing (the n samples of one prompt): `fork` gives a table the same blocks, one reference
+more each (allocators.BlockAllocator counts them). A block with more than one holder is
+read-only: `ensure`, which every step's writes go through, replaces each shared block the
+step will write into by a private copy (copy-on-write) and returns what to copy, which the
+runner does on the device before the step runs. Freeing (release, a sliding pool's blocks
+below the window) drops one reference, so a shared block returns to its pool with its last
+holder.
 """
 
 import dataclasses
@@ -72,10 +80,28 @@ class KVPools:
             return 0
         return max(0, first_query - pool.sliding_window + 1 - self.read_back)
 
-    def ensure(self, tables: list[BlockTable], first_query: int, end: int) -> bool:
+    def fork(self, tables: list[BlockTable]) -> list[BlockTable]:
+        """New tables holding the same blocks (one reference more each): read-only to both
+        until one writes (ensure copies the block it writes into first)."""
+        forked = []
+        for pool, t in zip(self.pools, tables):
+            self.allocators[pool.name].share(t.held())
+            forked.append(BlockTable(list(t.ids), t.floor))
+        return forked
+
+    def shared(self, tables: list[BlockTable]) -> int:
+        """How many of these tables' held blocks have another holder too."""
+        return sum(self.allocators[p.name].refcount(b) > 1 for p, t in zip(self.pools, tables) for b in t.held())
+
+    def ensure(self, tables: list[BlockTable], first_query: int, end: int,
+               copies: list[tuple[int, int, int]] | None = None) -> bool:
         """Blocks in every pool for positions keep_from(first_query) .. end - 1, returning
-        those a sliding pool no longer needs first. False when a pool has too few free (what
-        was allocated stays with the tables: the caller preempts and tries again)."""
+        those a sliding pool no longer needs first, and private blocks for the positions
+        first_query .. end - 1 the step writes: a shared block there is replaced by a new one,
+        and (pool index, shared block, new block) appended to `copies` (the caller copies
+        before the step runs; a caller that writes nothing passes none). False when a pool
+        has too few free (what was allocated stays with the tables, no block was copied: the
+        caller preempts and tries again)."""
         ok = True
         end = min(end, self.max_positions)
         for pool, t in zip(self.pools, tables):
@@ -96,7 +122,27 @@ class KVPools:
                 ok = False
                 continue
             t.ids.extend([0] * gap + got)
+        if ok and copies is not None:
+            ok = self._copy_on_write(tables, first_query, end, copies)
         return ok
+
+    def _copy_on_write(self, tables: list[BlockTable], first_query: int, end: int,
+                       copies: list[tuple[int, int, int]]) -> bool:
+        """Private copies of the shared blocks holding positions first_query .. end - 1: all
+        of them, or (too few free) none."""
+        lo, hi = first_query // self.block_size, blocks_for(end, self.block_size)
+        todo = [(k, b) for k, (pool, t) in enumerate(zip(self.pools, tables))
+                for b in range(lo, min(hi, len(t.ids))) if t.ids[b] and self.allocators[pool.name].refcount(t.ids[b]) > 1]
+        for k, pool in enumerate(self.pools):
+            if sum(1 for j, _ in todo if j == k) > self.allocators[pool.name].num_free:
+                return False
+        for k, b in todo:
+            alloc, t = self.allocators[self.pools[k].name], tables[k]
+            src, (dst,) = t.ids[b], alloc.allocate(1)
+            t.ids[b] = dst
+            alloc.free([src])     # one holder fewer; the others keep reading it
+            copies.append((k, src, dst))
+        return True
 
     def release(self, tables: list[BlockTable]) -> None:
         for pool, t in zip(self.pools, tables):

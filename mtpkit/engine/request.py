@@ -106,6 +106,16 @@ class Request:
     prompt_logprobs: list | None = None
     # params.structured_outputs: the request's matcher (it has consumed output_token_ids)
     grammar: RequestGrammar | None = None
+    # SamplingParams.n > 1: this request is sample `sample_index` of `samples` (all n, in
+    # order, each a request of its own id). The prompt is prefilled once, by sample 0 up to
+    # position fork_at (its last token); then `forks` (the samples not started yet) take
+    # copies of its block tables (shared blocks, copy-on-write) and of its state, in the slots
+    # it holds for them (`fork_slots`), and each prefills the last token itself.
+    sample_index: int = 0
+    samples: list | None = dataclasses.field(default=None, repr=False)
+    forks: list = dataclasses.field(default_factory=list, repr=False)
+    fork_at: int = 0
+    fork_slots: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         if self.params.logprobs is not None and self.output_logprobs is None:
@@ -131,6 +141,29 @@ class Request:
 
 
 @dataclasses.dataclass
+class CompletionOutput:
+    """One of a prompt's n samples (vLLM's CompletionOutput, with mtpkit's speculation
+    fields): `index` is the sample's place in RequestOutput.outputs, `request_id` its own id
+    (LLM.abort of it stops this sample only)."""
+
+    index: int
+    request_id: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    spec_stats: SpecStats
+    logprobs: list | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    token_steps: list[int] = dataclasses.field(default_factory=list)
+    token_draft_positions: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
 class RequestOutput(HTMLRepr):
     request_id: int
     prompt_token_ids: list[int]
@@ -153,10 +186,20 @@ class RequestOutput(HTMLRepr):
     # such dict per prompt token (its logprob given the tokens before it).
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    # The prompt's samples (SamplingParams.n of them), in order; the fields above are those of
+    # outputs[0]. Built from the fields above when not given (n = 1).
+    outputs: list[CompletionOutput] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.outputs:
+            self.outputs = [CompletionOutput(0, self.request_id, self.token_ids, self.text, self.finish_reason,
+                                             self.spec_stats, self.logprobs, self.error, self.num_preemptions,
+                                             self.token_steps, self.token_draft_positions)]
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        """Every sample has finished (finish_reason stands for outputs[0]'s)."""
+        return self.finish_reason is not None and all(o.finish_reason is not None for o in self.outputs[1:])
 
     @property
     def num_accepted_tokens(self) -> int:

@@ -55,6 +55,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[ReqResult]:
+        if plan.copies:   # copy-on-write blocks and forked samples' state, before anything writes
+            self.cache.apply(plan.copies)
         if plan.kind == StepKind.PREFILL:
             return self._prefill(plan)
         return self._verify(plan)

@@ -7,6 +7,14 @@ recently admitted request is preempted: its storage is freed and it is recompute
 its prompt plus what it has generated. No request is dropped or truncated silently. KV blocks
 come from the pools of engine/kv_pools.py: a sliding pool's blocks below the window are
 returned as the request advances (when its next step is scheduled).
+
+The n samples of one prompt (SamplingParams.n) are admitted together: sample 0 holds the
+seats and state slots of all of them and prefills the prompt up to its last token; then the
+others fork from it (its blocks shared, reference-counted, its state copied into their
+slots) and every sample prefills the last token itself, sampling its first token with its
+own seed. Once forked, a sample is an ordinary request: preempted, it is recomputed from its
+own prompt and outputs; aborted, the others go on. The copies a step needs (copy-on-write of
+a shared block it writes into, forked state) travel in its plan and run before it.
 """
 
 import collections
@@ -17,6 +25,7 @@ from mtpkit.config import EngineConfig
 from mtpkit.engine.allocators import SlotAllocator
 from mtpkit.engine.kv_pools import KVPools
 from mtpkit.engine.request import Request, Status
+from mtpkit.step.cache import CacheCopies
 
 
 class StepKind(enum.Enum):
@@ -31,6 +40,10 @@ class StepPlan:
     chunk_lens: list[int]            # PREFILL: tokens of each request in this step
     num_reqs_padded: int             # VERIFY: graph size (== len(reqs) when eager)
     bundle: int
+    # Done before the step runs (ModelRunner.execute): copy-on-write blocks, forked state;
+    # `forked` the samples forked in this round (a step that raises recomputes them too).
+    copies: CacheCopies = dataclasses.field(default_factory=CacheCopies)
+    forked: list[Request] = dataclasses.field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
@@ -57,18 +70,36 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._last = StepKind.VERIFY
+        self._copies, self._forked = CacheCopies(), []
 
     def add(self, req: Request) -> None:
+        """Queue req (with its req.forks: the other samples of its prompt, not queued themselves)."""
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def unfinished(self) -> list[Request]:
+        """Every queued and running request, and the samples waiting to fork from them."""
+        reqs = list(self.waiting) + list(self.running)
+        return reqs + [f for r in reqs for f in r.forks]
+
+    def _seats(self) -> int:
+        """Running requests, counting the samples that will fork from them."""
+        return len(self.running) + sum(len(r.forks) for r in self.running)
+
     # ---- scheduling -----------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
+        plan = self._schedule()
+        if plan is not None:
+            plan.copies, plan.forked = self._copies, self._forked
+            self._copies, self._forked = CacheCopies(), []
+        return plan
+
+    def _schedule(self) -> StepPlan | None:
         decoding = [r for r in self.running if not r.in_prefill]
         wants_prefill = any(r.in_prefill for r in self.running) or (
-            self.waiting and len(self.running) < self.cfg.max_num_seqs)
+            self.waiting and self._seats() < self.cfg.max_num_seqs)
         # Alternate, so decoding requests keep moving while prompts are admitted.
         if wants_prefill and (not decoding or self._last == StepKind.VERIFY):
             plan = self._schedule_prefill()
@@ -95,15 +126,39 @@ class Scheduler:
         (sliding pools first return what that step's window no longer reads)."""
         if not r.block_tables:
             r.block_tables = self.pools.new_tables()
-        return self.pools.ensure(r.block_tables, r.num_computed, positions)
+        return self.pools.ensure(r.block_tables, r.num_computed, positions, self._copies.blocks)
+
+    def _fork(self, r: Request) -> None:
+        """r has prefilled its prompt up to the last token: the samples waiting on it start
+        from there, on its blocks (shared) and a copy of its state (into the slots r held for
+        them), and each prefills the last prompt token itself."""
+        for f, slots in zip(r.forks, r.fork_slots):
+            f.block_tables = self.pools.fork(r.block_tables)
+            f.state_slots = slots
+            if not self.slots.stateless:
+                self._copies.slots.extend(zip(r.state_slots, slots))
+            f.status, f.num_computed, f.prefill_target = Status.RUNNING, r.num_computed, f.num_tokens
+            f.prev_num_emitted, f.drafts = 1, []
+            if r.prompt_logprobs is not None:   # the prompt's are computed once, by r
+                f.prompt_logprobs = list(r.prompt_logprobs)
+            self.running.append(f)
+            self._forked.append(f)
+        r.forks, r.fork_slots = [], []
+
+    def _chunk(self, r: Request, budget: int) -> int:
+        """Tokens of r's next prefill chunk: a sample others fork from stops before the last token."""
+        end = r.fork_at if r.forks else r.prefill_target
+        return min(end - r.num_computed, budget)
 
     def _schedule_prefill(self) -> StepPlan | None:
         budget, reqs, lens = self.cfg.max_num_batched_tokens, [], []
         # The chunk that finishes a prompt is followed by the drafter's proposal, which writes
         # kv_lookahead positions past it.
         ahead = self.cfg.kv_lookahead
+        for r in [r for r in self.running if r.forks and r.num_computed == r.fork_at]:
+            self._fork(r)
         for r in [r for r in self.running if r.in_prefill]:
-            n = min(r.prefill_target - r.num_computed, budget)
+            n = self._chunk(r, budget)
             if n <= 0:
                 break
             extra = ahead if r.num_computed + n == r.prefill_target else 0
@@ -120,25 +175,33 @@ class Scheduler:
                 break
             reqs.append(r), lens.append(n)
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        while self.waiting and budget > 0 and self._seats() < self.cfg.max_num_seqs:
             r = self.waiting[0]
-            slots = self.slots.allocate()
-            if slots is None:
+            # A prompt's n samples are admitted together: seats and state slots for all.
+            if self._seats() + 1 + len(r.forks) > self.cfg.max_num_seqs:
+                break
+            slots = [self.slots.allocate() for _ in range(1 + len(r.forks))]
+            if None in slots:
+                for s in slots:
+                    if s is not None:
+                        self.slots.free(s)
                 break
             target = r.num_tokens
-            n = min(target, budget)
+            r.num_computed, r.prefill_target = 0, target
+            n = self._chunk(r, budget)
             extra = ahead if n == target else 0
-            r.num_computed = 0
             # Admit only what the free pools can hold at the request's peak (prompt + the first
             # verify step; a sliding pool: its window and a step): admitting a chunk of a prompt
             # that cannot finish only starts a preemption cycle.
             if not self.pools.can_hold(target + self._verify_span, max(n + extra, self._verify_span)) or \
                     not self._ensure_blocks(r, n + extra):
                 self._release_blocks(r)
-                self.slots.free(slots)
+                r.prefill_target = 0
+                for s in slots:
+                    self.slots.free(s)
                 break
             self.waiting.popleft()
-            r.status, r.state_slots = Status.RUNNING, slots
+            r.status, r.state_slots, r.fork_slots = Status.RUNNING, slots[0], slots[1:]
             r.prefill_target, r.prev_num_emitted, r.drafts = target, 1, []
             self.running.append(r)
             reqs.append(r), lens.append(n)
@@ -179,12 +242,20 @@ class Scheduler:
         self._release_blocks(r)
         # Detach before freeing: an interrupt between the two then leaks, never frees twice.
         slots, r.state_slots = r.state_slots, None
+        forks, r.fork_slots = r.fork_slots, []
         if slots:
+            # a copy into them not done yet (a sample forked in this round) is dropped
+            self._copies.slots = [(a, b) for a, b in self._copies.slots if b not in slots]
             self.slots.free(slots)
+        for s in forks:
+            self.slots.free(s)
 
     def _release_blocks(self, r: Request) -> None:
         tables, r.block_tables = r.block_tables, []
         if tables:
+            if self._copies.blocks:   # a copy into its blocks not done yet is dropped
+                mine = {(k, b) for k, t in enumerate(tables) for b in t.held()}
+                self._copies.blocks = [c for c in self._copies.blocks if (c[0], c[2]) not in mine]
             self.pools.release(tables)
 
     # ---- abort ----------------------------------------------------------------------
@@ -197,6 +268,11 @@ class Scheduler:
                 continue
             if r in self.waiting:
                 self.waiting.remove(r)
+            for owner in list(self.waiting) + self.running:
+                if r in owner.forks:   # a sample not forked yet: the others go on without it
+                    owner.forks.remove(r)
+                    if owner.fork_slots:
+                        self.slots.free(owner.fork_slots.pop())
             self.finish(r, "abort")
             aborted.append(r)
         return aborted
@@ -262,4 +338,10 @@ class Scheduler:
     def finish(self, r: Request, reason: str) -> bool:
         r.status, r.finish_reason = Status.FINISHED, reason
         self._release(r)
+        if r.forks:
+            # It ended before the others forked from it (aborted): the next sample takes its
+            # place at the head of the queue and prefills the prompt for the rest.
+            head, head.forks, head.fork_at = r.forks[0], r.forks[1:], r.fork_at
+            r.forks = []
+            self.waiting.appendleft(head)
         return True

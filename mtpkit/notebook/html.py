@@ -36,12 +36,33 @@ def token_pieces(tokenizer, token_ids: list[int], final: bool = True) -> list[st
     return [detok.add([t], final=final and i == len(token_ids) - 1) for i, t in enumerate(token_ids)]
 
 
-def token_spans(token_ids: list[int], pieces: list[str], steps: list[int], drafts: list[int]) -> str:
-    """One span per token, coloured by origin; hover shows step, origin and token id."""
+MAX_HOVER_TOP = 5   # tokens listed in a token's hover text
+
+
+def logprob_hover(token: int, entry: dict | None) -> tuple[str, str]:
+    """(hover text, data attributes) of one token's {token_id: Logprob} entry (SamplingParams.logprobs):
+    its logprob and rank, then the likeliest tokens with theirs."""
+    if not entry or token not in entry:
+        return "", ""
+    own = entry[token]
+    # the sampled token's entry is first; the others are the top-N by rank (the token may be among them)
+    ranked = sorted(((lp.rank, t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[0])
+    alts = ", ".join(f"{lp.decoded_token if lp.decoded_token is not None else t!r}: {lp.logprob:.3f}"
+                     for _, t, lp in ranked[:MAX_HOVER_TOP] if len(entry) > 1)
+    text = f" · logprob {own.logprob:.3f} (rank {own.rank})" + (f" · top: {alts}" if alts else "")
+    return text, f' data-logprob="{own.logprob:.6g}" data-rank="{own.rank}"'
+
+
+def token_spans(token_ids: list[int], pieces: list[str], steps: list[int], drafts: list[int],
+                logprobs: list | None = None) -> str:
+    """One span per token, coloured by origin; hover shows step, origin and token id, and with
+    logprobs (one {token_id: Logprob} per token) its logprob, rank and the likeliest tokens."""
     out = []
-    for t, piece, step, pos in zip(token_ids, pieces, steps, drafts):
-        title = f"step {step} · {origin_name(pos)} · token {t}"
-        out.append(f'<span class="mtp-tok" data-step="{step}" data-draft="{pos}" title="{title}" '
+    entries = logprobs if logprobs is not None else [None] * len(token_ids)
+    for t, piece, step, pos, entry in zip(token_ids, pieces, steps, drafts, entries):
+        lp_text, lp_attrs = logprob_hover(t, entry)
+        title = html.escape(f"step {step} · {origin_name(pos)} · token {t}{lp_text}", quote=True)
+        out.append(f'<span class="mtp-tok" data-step="{step}" data-draft="{pos}"{lp_attrs} title="{title}" '
                    f'style="background:{draft_colour(pos)};border-radius:2px">{html.escape(piece)}</span>')
     return "".join(out)
 
@@ -71,7 +92,7 @@ def request_output_html(out, prompt: str = "") -> str:
             + (f" · mean acceptance length {s.mean_acceptance_length:.2f}" if s.verify_steps else "")
             + (f' · <b>error</b>: {html.escape(out.error)}' if out.error else "") + "</div>")
     return (f'<div class="mtp-output">{head}'
-            f'{text_block(prompt, token_spans(out.token_ids, pieces, steps, drafts))}</div>')
+            f'{text_block(prompt, token_spans(out.token_ids, pieces, steps, drafts, out.logprobs))}</div>')
 
 
 def acceptance_bars(stats, title: str = "acceptance per draft position") -> str:

@@ -67,7 +67,8 @@ class _Panel:
             i = start + k
             last = out.finished and i == len(out.token_ids) - 1
             piece = self.detok.add([t], final=last) if self.tokenizer is not None else f"[{t}]"
-            self.spans.append(H.token_spans([t], [piece], [out.token_steps[i]], [out.token_draft_positions[i]]))
+            lps = None if out.logprobs is None else [out.logprobs[i]]
+            self.spans.append(H.token_spans([t], [piece], [out.token_steps[i]], [out.token_draft_positions[i]], lps))
         self.status, self.dirty = out.finish_reason or "running", True
 
     def draw(self) -> None:
@@ -116,10 +117,11 @@ class SpecView:
         self.llm.abort(sorted(self.request_ids))
 
     def update(self, ev, latest: list) -> None:
-        if ev.output.request_id >= 0 and not ev.finished:
-            self.request_ids.add(ev.output.request_id)
+        if ev.output.request_id >= 0 and not ev.finished:   # Stop aborts every sample
+            self.request_ids.add(ev.output.outputs[ev.sample_index].request_id)
         self._num_tokens += len(ev.new_token_ids)
-        self.panels[ev.index].add(ev.output, ev.new_token_ids)
+        if ev.sample_index == 0:   # a panel shows a prompt's first sample (SamplingParams.n)
+            self.panels[ev.index].add(ev.output, ev.new_token_ids)
         now = time.perf_counter()
         if now - self._last_refresh >= self.refresh or all(o is not None and o.finished for o in latest):
             self.refresh_stats(latest)
@@ -212,8 +214,9 @@ def _final(llm, prompts, latest: list) -> list[RequestOutput]:
         if o is None:   # never started: still queued when the call stopped
             ids = llm.tokenizer.encode(p).ids if isinstance(p, str) and llm.tokenizer else list(p)
             o = RequestOutput(-1, ids, [], "", "abort", SpecStats())
-        elif not o.finished:
-            o = dataclasses.replace(o, finish_reason="abort")
+        elif not o.finished:   # and each of its samples cut off (SamplingParams.n)
+            samples = [c if c.finished else dataclasses.replace(c, finish_reason="abort") for c in o.outputs]
+            o = dataclasses.replace(o, finish_reason=o.finish_reason or "abort", outputs=samples)
         outputs.append(o)
     return outputs
 
@@ -233,6 +236,8 @@ def _watch_plain(llm, prompts, sampling_params) -> list[RequestOutput]:
         with contextlib.closing(llm.stream(prompts, sampling_params)) as events:
             for ev in events:
                 latest[ev.index] = ev.output
+                if ev.sample_index:   # the first sample of each prompt is shown (SamplingParams.n)
+                    continue
                 if single:
                     print(ev.delta, end="", flush=True)
                 elif ev.finished:

@@ -35,6 +35,10 @@ class SamplingParams:
     # every token is masked to what the grammar allows, drafts included. "processed" logprobs
     # are then those of the masked distribution; "raw" ones stay the model's.
     structured_outputs: StructuredOutputs | None = None
+    # n samples of the prompt (vLLM's name), returned in RequestOutput.outputs. The prompt is
+    # prefilled once and its KV shared; sample i draws as a request of seed + i would (without
+    # a seed, each sample gets its own fixed one from the engine's seed and its request id).
+    n: int = 1
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InputError naming the bad field and its valid range."""
@@ -69,6 +73,11 @@ class SamplingParams:
                 problems.append(f"{name}={v!r} must be None or an int >= 0 (top tokens returned per position)")
             elif vocab_size is not None and v > vocab_size:
                 problems.append(f"{name}={v} exceeds the vocabulary size {vocab_size}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            problems.append(f"n={self.n!r} must be an int >= 1 (samples per prompt)")
+        elif self.n > 1 and isinstance(self.temperature, (int, float)) and self.temperature == 0:
+            problems.append(f"n={self.n} with greedy decoding (temperature=0) would give {self.n} identical "
+                            "samples; set temperature > 0 to sample, or n=1")
         if self.logprobs_mode not in LOGPROBS_MODES:
             problems.append(f"logprobs_mode={self.logprobs_mode!r} must be one of {', '.join(LOGPROBS_MODES)}")
         if self.structured_outputs is not None:

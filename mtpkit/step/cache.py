@@ -7,6 +7,10 @@
 - State slots, one tensor [num_slots, *shape] per layer and state name of every state group.
   Slot 0 is the null slot. A request owns `bundle` slots (the speculative state contract of
   docs/design.md). A model without state groups has no slot pool: its requests hold no slots.
+
+`CacheCopies` is what a step copies before it runs: KV blocks (the copy-on-write of a block
+shared by the samples of one prompt) and state slots (a sample's start from its prompt's
+recurrent state); `CacheTensors.apply` does it on the device.
 """
 
 import dataclasses
@@ -15,6 +19,31 @@ import torch
 
 from mtpkit.shapes import Float, Tensor
 from mtpkit.step.cache_spec import CacheSpec
+
+
+@dataclasses.dataclass
+class CacheCopies:
+    """Copies within the caches, done in order before a step: `blocks` (pool index, source
+    block, destination block) in every KV group of that pool; `slots` (source slot,
+    destination slot) in every state tensor."""
+
+    blocks: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    slots: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks or self.slots)
+
+
+def _copy_rows(t: Tensor, pairs: list[tuple[int, int]]) -> None:
+    """t[dst] = t[src] for each pair, in order: one indexed copy when no destination repeats
+    or is read by another pair, else one by one."""
+    src, dst = [a for a, _ in pairs], [b for _, b in pairs]
+    if len(set(dst)) == len(dst) and not set(dst) & set(src):
+        index = torch.tensor(dst, device=t.device)
+        t.index_copy_(0, index, t.index_select(0, torch.tensor(src, device=t.device)))
+        return
+    for a, b in pairs:
+        t[b] = t[a]
 
 
 @dataclasses.dataclass
@@ -37,6 +66,21 @@ class CacheTensors:
     @property
     def num_slots(self) -> int:
         return next((next(iter(layers[0].values())).shape[0] for layers in self.state.values() if layers), 0)
+
+    def apply(self, copies: CacheCopies) -> None:
+        """Do `copies` (see CacheCopies) on the device."""
+        for k in sorted({k for k, _, _ in copies.blocks}):
+            pairs = [(a, b) for j, a, b in copies.blocks if j == k]
+            for g, layers in self.kv.items():
+                if self.pool_index.get(g) == k:
+                    for kv in layers:
+                        for t in kv:
+                            _copy_rows(t, pairs)
+        if copies.slots:
+            for layers in self.state.values():
+                for layer in layers:
+                    for t in layer.values():
+                        _copy_rows(t, copies.slots)
 
     def tensors(self) -> tuple[Tensor, ...]:
         """Every tensor, in a fixed order (a captured graph's cache arguments)."""
