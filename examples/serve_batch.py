@@ -127,8 +127,8 @@ def check_structured(spec) -> tuple:
     """(StructuredOutputs of a line's "structured" value, None), or (None, the problem)."""
     fields = [f.name for f in dataclasses.fields(StructuredOutputs)]
     if not isinstance(spec, dict) or not spec or not set(spec) <= set(fields):
-        return None, f'"structured" must be an object with one of {", ".join(fields[:-1])} (and optionally ' \
-                     f'{fields[-1]}), got {json.dumps(spec)[:60]}'
+        return None, (f'"structured" must be an object with one of {", ".join(fields[:-1])} (and optionally '
+                      f'{fields[-1]}), got {json.dumps(spec)[:60]}')
     so = StructuredOutputs(**spec)
     problems = so.problems()
     return (None, "; ".join(problems)) if problems else (so, None)

@@ -199,7 +199,8 @@ def _structured(args):
     from mtpkit.sampling.structured_outputs import StructuredOutputs
     if args.json_schema is not None:
         try:
-            text = open(args.json_schema, encoding="utf-8").read()
+            with open(args.json_schema, encoding="utf-8") as f:
+                text = f.read()
             json.loads(text)
         except (OSError, ValueError) as e:
             raise InputError(f"--json-schema {args.json_schema}: cannot be read as JSON ({e})") from None

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import jsonschema
 import llguidance
+import oracle
 import pytest
+import spec_models
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import oracle
-import spec_models
 from mtpkit import LLM, InputError, SamplingParams, StructuredOutputs
 from mtpkit.checkpoint.hub import resolve_model
 from mtpkit.sampling.bitmask import allowed_tokens, apply_token_bitmask_
@@ -416,3 +416,18 @@ def test_serve_batch_structured_lines(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "x", "structured": {"regex": "a", "choice": ["a"]}}))
     assert mod.main(["--model", "tiny-qwen3-next", "--cpu", "--prompts", str(tmp_path / "bad.jsonl"),
                      "--output", str(tmp_path / "o2.jsonl")]) == 2
+
+
+def test_n_samples_each_follow_the_structure():
+    """n samples of one prompt share its prefill: each has its own matcher, so each is valid and
+    is the sample that seed + i gives alone."""
+    llm = _llm("tiny-qwen3-next", 3)
+    so = _specs()["json"]
+    [out] = llm.generate(PROMPTS[0], SamplingParams(n=3, temperature=1.0, seed=21, max_tokens=64,
+                                                    structured_outputs=so))
+    assert len(out.outputs) == 3
+    for i, c in enumerate(out.outputs):
+        _check_valid("json", c.text)
+        alone = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=21 + i, max_tokens=64,
+                                                        structured_outputs=so))[0]
+        assert c.token_ids == alone.token_ids
