@@ -431,3 +431,15 @@ def test_n_samples_each_follow_the_structure():
         alone = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=21 + i, max_tokens=64,
                                                         structured_outputs=so))[0]
         assert c.token_ids == alone.token_ids
+
+
+@pytest.mark.parametrize("grammar", ['start: "(" NUM ("," NUM)~0..3 ")"\nNUM: /[0-9]{1,3}/',      # Lark
+                                     'root ::= "(" num ("," num)? ("," num)? ")"\nnum ::= [0-9] [0-9]?'])  # GBNF
+def test_grammars_lark_and_gbnf(grammar):
+    sp = [SamplingParams(max_tokens=40, temperature=t, seed=2, structured_outputs=StructuredOutputs(grammar=grammar))
+          for t in (0.0, 1.0)]
+    outs = _llm("tiny-qwen3-next", 3).generate(PROMPTS[:2] * 2, [sp[0], sp[0], sp[1], sp[1]])
+    for o in outs:
+        assert o.finish_reason == "stop" and re.fullmatch(r"\([0-9]{1,3}(,[0-9]{1,3})*\)", o.text), o.text
+    assert [o.token_ids for o in outs] == [o.token_ids for o in _llm("tiny-qwen3-next", 0).generate(
+        PROMPTS[:2] * 2, [sp[0], sp[0], sp[1], sp[1]])]
