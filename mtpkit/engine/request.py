@@ -4,6 +4,7 @@ import dataclasses
 import enum
 
 from mtpkit.display import HTMLRepr
+from mtpkit.sampling.controls import ControlState
 from mtpkit.sampling.params import SamplingParams
 from mtpkit.text.stop_strings import StopStringMatcher
 
@@ -103,6 +104,9 @@ class Request:
     # preemption does not append them again).
     output_logprobs: list | None = None
     prompt_logprobs: list | None = None
+    # The generation controls' device state (token counts, bias row): built at the request's
+    # first step that uses them, dropped on preemption and rebuilt from the tokens.
+    controls: ControlState | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         if self.params.logprobs is not None and self.output_logprobs is None:
