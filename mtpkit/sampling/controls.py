@@ -28,7 +28,8 @@ Only output tokens count (a word begun in the prompt is not completed by this ru
 """
 
 import dataclasses
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 
