@@ -102,3 +102,106 @@ def test_greedy_controls_are_lossless(family, k):
     assert llm.stats.num_accepted > 0, "no draft was accepted: the drafts' positions were not exercised"
     if k == 3:
         assert llm.stats.num_accepted < llm.stats.num_drafted, "no draft was rejected"
+
+
+def test_min_tokens_bans_stop_ids_drafted_before_it(qwen):
+    """min_tokens under speculation. A stop token t the greedy output first reaches at index m
+    (the bigram drafter proposes it): with min_tokens m + 1 it is banned there, so a drafted t
+    is rejected and the output goes on; with min_tokens m it is allowed from that position,
+    which a bundle that began before it covers. Both as without drafts."""
+    prompts = oracle.random_prompts(4, qwen["vocab"], seed=21, lengths=[6, 11, 4, 8])
+    plain = [o.token_ids for o in _llm(qwen, 0).generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
+    cases = []
+    for p, out in enumerate(plain):
+        firsts = [m for m in range(3, 12) if out[m] not in out[:m]][:3]
+        cases += [(p, out[m], m, mm) for m in firsts for mm in (m, m + 1)]
+    sps = [SamplingParams(max_tokens=24, stop_token_ids=[t], min_tokens=mm, ignore_eos=True) for _, t, _, mm in cases]
+    ps = [prompts[p] for p, *_ in cases]
+    ref = _llm(qwen, 0, max_num_seqs=32).generate(ps, sps)
+    for (p, t, m, mm), o in zip(cases, ref):
+        if mm == m:
+            assert o.token_ids == plain[p][:m + 1] and o.finish_reason == "stop"
+        else:
+            assert o.token_ids[:m] == plain[p][:m] and t not in o.token_ids[:m + 1] and len(o.token_ids) > m + 1
+    llm = _llm(qwen, 3, max_num_seqs=32)
+    outs = llm.generate(ps, sps)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert 0 < llm.stats.num_accepted < llm.stats.num_drafted
+
+
+def test_bad_words_across_draft_positions(family):
+    """A two-token bad word whose first token the step verifies as a draft: its second token
+    is banned at the next bundle position (the draft is its prefix), as without drafts."""
+    llm = _llm(family, 3, max_num_seqs=8)
+    spec = llm.generate(family["prompts"], _greedy())
+    words = []
+    for o in spec:    # (t_m, t_m+1) with t_m an accepted draft: m+1 is decided in the same bundle
+        m = next((m for m in range(1, len(o.token_ids) - 1) if o.token_draft_positions[m] >= 1
+                  and o.token_draft_positions[m + 1] >= 1), None)
+        words.append(None if m is None else o.token_ids[m:m + 2])
+    rows = [i for i, w in enumerate(words) if w is not None]
+    assert len(rows) >= 2, "too few drafted pairs"
+    sps = [_greedy(bad_words=[words[i]]) for i in rows]
+    prompts = [family["prompts"][i] for i in rows]
+    ref = [o.token_ids for o in _llm(family, 0).generate(prompts, sps)]
+    got = [o.token_ids for o in llm.generate(prompts, sps)]
+    assert got == ref
+    for i, toks in zip(rows, ref):
+        assert toks != spec[i].token_ids and all(toks[j:j + 2] != words[i] for j in range(len(toks) - 1))
+
+
+def _sampled(**kw):
+    return SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.6, **kw)
+
+
+def test_seeded_sampling_with_controls_is_lossless(family):
+    """Seeded sampling with min_p, penalties, bias and min_tokens: the same tokens with drafts
+    (num_spec 2 and 5, in another batch order) as without."""
+    vocab = family["vocab"]
+    sps = [_sampled(min_p=0.2, seed=1), _sampled(repetition_penalty=0.5, seed=2),
+           _sampled(presence_penalty=-2.0, frequency_penalty=0.5, top_p=0.9, seed=3),
+           _sampled(logit_bias={t: 3.0 for t in range(0, vocab, 7)}, min_p=0.05, seed=4),
+           _sampled(min_tokens=5, stop_token_ids=list(range(0, vocab, 5)), seed=5), _sampled(seed=6)]
+    prompts = family["prompts"][:6]
+    ref = [o.token_ids for o in _llm(family, 0).generate(prompts, sps)]
+    plain = [o.token_ids for o in _llm(family, 0).generate(prompts, [_sampled(seed=s) for s in range(1, 7)])]
+    assert [a != b for a, b in zip(ref, plain)] == [True] * 5 + [False], "a control changed nothing"
+    for k in (2, 5):
+        llm = _llm(family, k, max_num_seqs=3)
+        outs = llm.generate(prompts[::-1], sps[::-1])
+        assert [o.token_ids for o in outs][::-1] == ref, f"num_spec={k}"
+        assert llm.stats.num_accepted > 0
+
+
+def test_mixed_batch_rows_without_controls_are_untouched(qwen):
+    """Greedy and random rows, controls on some only: the rows without controls give exactly
+    the tokens of a batch in which no row uses one, the controlled rows those they give alone."""
+    prompts = oracle.random_prompts(6, qwen["vocab"], seed=8, lengths=[4, 10, 6, 3, 9, 5])
+    plain = [_greedy(), _sampled(seed=11), _greedy(), _sampled(seed=12, top_k=20), _greedy(), _sampled(seed=13)]
+    mixed = list(plain)
+    mixed[0] = _greedy(repetition_penalty=1.6, logit_bias={3: 4.0})
+    mixed[3] = _sampled(seed=12, top_k=20, min_p=0.1, frequency_penalty=1.0, bad_words=[[5], [6, 7]])
+    mixed[4] = _greedy(allowed_token_ids=list(range(40, 120)), min_tokens=3, stop_token_ids=[41])
+    llm = _llm(qwen, 3, max_num_seqs=6)
+    a = [o.token_ids for o in llm.generate(prompts, plain)]
+    b = [o.token_ids for o in llm.generate(prompts, mixed)]
+    for i in (1, 2, 5):
+        assert a[i] == b[i], f"row {i} without controls changed"
+    for i in (0, 3, 4):
+        assert a[i] != b[i], f"row {i}: its controls changed nothing"
+        assert b[i] == llm.generate(prompts[i], mixed[i])[0].token_ids
+
+
+def test_preemption_keeps_penalty_counts(qwen):
+    """On pools that force preemption (a request recomputed from prompt + outputs, its counts
+    rebuilt from its tokens): penalised greedy and seeded rows give the tokens of a free pool."""
+    prompts = oracle.random_prompts(6, qwen["vocab"], seed=9, lengths=[30, 25, 33, 28, 20, 31])
+    sps = [SamplingParams(max_tokens=40, ignore_eos=True, repetition_penalty=1.4, frequency_penalty=0.7),
+           SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, seed=5, presence_penalty=1.2),
+           SamplingParams(max_tokens=40, ignore_eos=True, frequency_penalty=1.5, bad_words=[[9, 9]]),
+           SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, seed=6, repetition_penalty=1.3)] * 2
+    prompts = prompts + prompts[:2]
+    free = _llm(qwen, 3).generate(prompts, sps)
+    tight = _llm(qwen, 3, num_blocks=13).generate(prompts, sps)
+    assert sum(o.num_preemptions for o in tight) > 0, "the pool was meant to force preemption"
+    assert [o.token_ids for o in tight] == [o.token_ids for o in free]
