@@ -205,3 +205,87 @@ def test_preemption_keeps_penalty_counts(qwen):
     tight = _llm(qwen, 3, num_blocks=13).generate(prompts, sps)
     assert sum(o.num_preemptions for o in tight) > 0, "the pool was meant to force preemption"
     assert [o.token_ids for o in tight] == [o.token_ids for o in free]
+
+
+# ---- oracles ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,pen", [("qwen", 1.3), ("gemma", 0.7)])
+def test_repetition_penalty_equals_transformers(request, name, pen):
+    """Greedy with repetition_penalty (over prompt and output tokens; > 1 and < 1), with
+    drafts, equals transformers: Gemma 4's generate(repetition_penalty=...) token for token;
+    for Qwen3-Next (whose torch GDN path decodes slowly in transformers) the argmax of
+    transformers' RepetitionPenaltyLogitsProcessor over its logits at every position."""
+    from transformers import GenerationConfig, RepetitionPenaltyLogitsProcessor
+
+    m = request.getfixturevalue(name)
+    prompts = oracle.random_prompts(2, m["vocab"], seed=31, lengths=[5, 12])
+    llm = _llm(m, 3)
+    outs = llm.generate(prompts, _greedy(repetition_penalty=pen))
+    plain = llm.generate(prompts, _greedy())
+    assert any(o.token_ids != p.token_ids for o, p in zip(outs, plain))
+    assert llm.stats.num_accepted > 0
+    if name == "gemma":
+        hf = G.build_hf("dense", seed=3)
+        gc = GenerationConfig(do_sample=False, max_new_tokens=MAX_TOKENS, repetition_penalty=pen, eos_token_id=None,
+                              pad_token_id=0, bos_token_id=None)
+        for p, o in zip(prompts, outs):
+            ids = torch.tensor([p])
+            ref = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gc)[0, len(p):]
+            assert o.token_ids == ref.tolist(), f"{name} repetition_penalty={pen}"
+        return
+    hf = oracle.load_hf_model(m["path"], dtype=torch.float64)
+    proc = RepetitionPenaltyLogitsProcessor(pen)
+    for p, o in zip(prompts, outs):
+        seq = p + o.token_ids
+        logits = oracle.hf_logits(hf, seq)
+        for i, t in enumerate(o.token_ids):
+            n = len(p) + i
+            scores = proc(torch.tensor([seq[:n]]), logits[n - 1][None].clone())[0]
+            top2 = scores.topk(2).values
+            assert t == int(scores.argmax()) or top2[0] - top2[1] < 1e-9, f"token {i}"
+
+
+@pytest.mark.parametrize("pres,freq,seed", [(0.8, 0.6, 21), (-1.5, 1.0, 41)])
+def test_presence_frequency_equal_the_openai_formula(qwen, pres, freq, seed):
+    """Greedy tokens and processed logprobs with presence / frequency penalties equal the
+    OpenAI formula written out over transformers' logits at each position: logit[t] -
+    presence * (count[t] > 0) - frequency * count[t], count over the output so far (a
+    negative presence penalty makes tokens repeat, so counts above 1 are exercised)."""
+    hf = oracle.load_hf_model(qwen["path"], dtype=torch.float64)
+    # prompts whose greedy output repeats a token (seed 21), or never does (41)
+    prompts = oracle.random_prompts(2, qwen["vocab"], seed=seed, lengths=[6, 11 if seed == 21 else 13])
+    llm = _llm(qwen, 3)
+    outs = llm.generate(prompts, _greedy(presence_penalty=pres, frequency_penalty=freq, logprobs=2,
+                                         logprobs_mode="processed"))
+    plain = llm.generate(prompts, _greedy())
+    assert any(o.token_ids != q.token_ids for o, q in zip(outs, plain))
+    repeats = 0
+    for p, o in zip(prompts, outs):
+        logits = oracle.hf_logits(hf, p + o.token_ids)
+        counts = collections.Counter()
+        for i, t in enumerate(o.token_ids):
+            row = [x - pres * (counts[v] > 0) - freq * counts[v] for v, x in enumerate(logits[len(p) - 1 + i].tolist())]
+            ref = torch.log_softmax(torch.tensor(row, dtype=torch.float64), -1)
+            assert t == int(ref.argmax()), f"token {i}"
+            assert abs(o.logprobs[i][t].logprob - ref[t].item()) < 1e-6
+            counts[t] += 1
+        repeats += len(o.token_ids) - len(counts)
+    assert repeats > 0 or pres > 0, "no token repeated: counts above 1 were not exercised"
+
+
+def test_min_p_distribution_by_chi_square(qwen):
+    """min_p: over many seeds the first sampled token's distribution is softmax(logits / T)
+    restricted to p >= min_p * max p, renormalised (chi-square); nothing below it is drawn."""
+    hf = oracle.load_hf_model(qwen["path"], dtype=torch.float64)
+    prompt = oracle.random_prompt(7, qwen["vocab"], seed=51)
+    T, min_p, n = 1.5, 0.15, 1000
+    p = torch.softmax(oracle.hf_logits(hf, prompt)[-1] / T, -1)
+    p = torch.where(p >= min_p * p.max(), p, 0.0)
+    p = p / p.sum()
+    assert 5 <= int((p > 0).sum()) <= 60
+    llm = LLM(qwen["path"], **{**F64, "max_model_len": 16}, max_num_seqs=256)
+    outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=1, temperature=T, min_p=min_p, seed=s)
+                                       for s in range(n)])
+    counts = torch.bincount(torch.tensor([o.token_ids[0] for o in outs]), minlength=qwen["vocab"])
+    assert int(counts[p == 0].sum()) == 0
+    assert chi2_pvalue(counts, p) > 1e-3
