@@ -289,3 +289,84 @@ def test_min_p_distribution_by_chi_square(qwen):
     counts = torch.bincount(torch.tensor([o.token_ids[0] for o in outs]), minlength=qwen["vocab"])
     assert int(counts[p == 0].sum()) == 0
     assert chi2_pvalue(counts, p) > 1e-3
+
+
+# ---- validation, defaults, the CLI ----------------------------------------------------------
+
+BAD = [
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(min_p=1.5), "min_p"), (dict(min_p=-0.1), "min_p"), (dict(repetition_penalty=True), "repetition_penalty"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias values"), (dict(logit_bias={300: 1.0}), "logit_bias keys"),
+    (dict(logit_bias=[1, 2]), "logit_bias"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[3, 256]), "allowed_token_ids"), (dict(bad_words=[[1, -1]]), "bad_words"),
+    (dict(bad_words=[[]]), "bad_words"), (dict(bad_words=[[999]]), "bad_words"), (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=20, max_tokens=10), "min_tokens=20 exceeds max_tokens=10"),
+]
+
+
+def test_bad_controls_are_input_errors_before_anything_is_queued(qwen):
+    llm = _llm(qwen, 0)
+    for kw, match in BAD:
+        with pytest.raises(InputError, match=match):
+            llm.generate([[1, 2, 3], [4, 5]], [SamplingParams(max_tokens=4), SamplingParams(**{"max_tokens": 16, **kw})])
+        assert not llm.scheduler.has_unfinished(), kw
+    with pytest.raises(InputError, match="bad_words strings need the checkpoint's tokenizer"):
+        llm.generate([1, 2], SamplingParams(bad_words=["def"]))
+    # numpy / torch values are read as Python ones
+    np = pytest.importorskip("numpy")
+    sp = SamplingParams(max_tokens=4, repetition_penalty=np.float32(1.5), min_tokens=torch.tensor(2),
+                        allowed_token_ids=np.arange(10, 20), logit_bias={np.int64(3): torch.tensor(1.0)})
+    assert llm.generate([1, 2], sp)[0].token_ids
+
+
+def test_bad_word_strings_are_encoded_by_the_tokenizer():
+    """bad_words strings (LLM with a tokenizer): the string's encoding and that after a space
+    are banned sequences; the output never holds them."""
+    llm = LLM("tiny-qwen3-next", dtype="float32", num_spec=3, max_model_len=64)
+    words = ["string", "the"]
+    enc = llm._encode_bad_words(SamplingParams(bad_words=words + [[7]])).bad_words
+    tok = llm.tokenizer
+    assert enc[-1] == [7] and all(tok.encode(w, add_special_tokens=False).ids in enc for w in words)
+    assert tok.encode(" the", add_special_tokens=False).ids in enc
+    plain = llm.generate("def fibonacci(n):", SamplingParams(max_tokens=24))[0]
+    out = llm.generate("def fibonacci(n):", SamplingParams(max_tokens=24, bad_words=words))[0]
+    assert "string" in plain.text and out.token_ids != plain.token_ids
+    ids = out.token_ids
+    assert not any(ids[i:i + len(w)] == w for w in enc for i in range(len(ids)))
+
+
+def test_generation_config_and_cli_flags(tmp_path, monkeypatch, capsys):
+    """generation_config.json's repetition_penalty (greedy too), min_p and bad_words_ids become
+    the defaults; the CLI's flags override them and reach SamplingParams."""
+    import mtpkit
+    from mtpkit import cli
+    from mtpkit.checkpoint.hub import ASSETS
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    for p in (ASSETS / "tiny-qwen3-next").iterdir():
+        if p.name not in ("README.md", "generation_config.json"):
+            (d / p.name).symlink_to(p)
+    (d / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": 256, "do_sample": False, "repetition_penalty": 1.25, "min_p": 0.05, "bad_words_ids": [[9, 10]]}))
+    llm = LLM(str(d), max_model_len=64)
+    req = llm.add_request("x")
+    assert (req.params.temperature, req.params.repetition_penalty, req.params.bad_words) == (0.0, 1.25, [[9, 10]])
+    llm.abort(req.req_id)
+    seen = []
+    real = LLM
+
+    class Spy(real):
+        def stream(self, prompts, params, **kw):
+            seen.append(params)
+            return super().stream(prompts, params, **kw)
+    monkeypatch.setattr(mtpkit, "LLM", Spy)
+    assert cli.main(["generate", "x", "--model", str(d), "--max-tokens", "3", "--num-spec", "0"]) == 0
+    assert cli.main(["generate", "x", "--model", str(d), "--max-tokens", "3", "--num-spec", "0",
+                     "--repetition-penalty", "1.5", "--presence-penalty", "0.5", "--frequency-penalty", "-0.5",
+                     "--min-p", "0.2"]) == 0
+    got = [(p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.min_p) for p in seen]
+    assert got == [(1.25, 0.0, 0.0, 0.0), (1.5, 0.5, -0.5, 0.2)]   # min_p: the file's applies only when sampling
+    assert cli.main(["generate", "x", "--model", str(d), "--repetition-penalty", "0"]) == 2
+    assert "repetition_penalty=0.0 must be" in capsys.readouterr().err
