@@ -13,13 +13,13 @@ accepted often (spec_models), and a Gemma 4 drafted by a draft model with its ow
 import collections
 import json
 
-import pytest
-import torch
-
 import gemma4_oracle as G
 import oracle
+import pytest
 import spec_models
+import torch
 from spec_metrics import chi2_pvalue
+
 from mtpkit import LLM, InputError, SamplingParams
 
 F64 = dict(dtype="float64", device="cpu", max_model_len=96)

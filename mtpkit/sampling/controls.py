@@ -126,8 +126,7 @@ def _bans(r: ControlledRequest, state: ControlState, drafts: list[int], bundle: 
 def cumulative_draft_counts(drafts: Int[Tensor, "num_reqs num_spec"], bundle: int, vocab: int,
                             dtype: torch.dtype) -> Float[Tensor, "num_reqs bundle vocab"]:
     """[row, j, t]: how often t occurs among the row's drafts d_1..d_j (those before position j)."""
-    R = drafts.shape[0]
-    onehot = torch.zeros(R, bundle, vocab, dtype=dtype, device=drafts.device)
+    onehot = torch.zeros(drafts.shape[0], bundle, vocab, dtype=dtype, device=drafts.device)
     if bundle > 1:
         onehot[:, 1:].scatter_(-1, drafts[:, :bundle - 1, None], 1.0)
     return onehot.cumsum(1)
@@ -145,7 +144,7 @@ def controlled_logits(
     rows = [i for i, r in enumerate(reqs) if r.params.has_controls]
     if not rows:
         return logits
-    R, B, V = logits.shape
+    B, V = logits.shape[1:]
     out = logits if logits.dtype == torch.float64 else logits.float()
     out = out.clone()
     dtype, device = out.dtype, out.device
@@ -165,7 +164,9 @@ def controlled_logits(
     pen = [a for a, s in enumerate(states) if s.counts is not None]
     if pen:
         ps = [reqs[rows[a]].params for a in pen]
-        col = lambda vals: torch.tensor(vals, dtype=dtype, device=device)[:, None, None]  # noqa: E731
+
+        def col(vals: list[float]) -> torch.Tensor:   # one value per penalised row, broadcast over [bundle, vocab]
+            return torch.tensor(vals, dtype=dtype, device=device)[:, None, None]
         cnt = torch.stack([states[a].counts for a in pen])[:, None, :] + cumulative_draft_counts(
             drafts[idx[pen]], B, V, dtype)
         seen = torch.stack([states[a].prompt_seen for a in pen])[:, None, :] | (cnt > 0)
