@@ -278,7 +278,7 @@ def test_min_p_distribution_by_chi_square(qwen):
     restricted to p >= min_p * max p, renormalised (chi-square); nothing below it is drawn."""
     hf = oracle.load_hf_model(qwen["path"], dtype=torch.float64)
     prompt = oracle.random_prompt(7, qwen["vocab"], seed=51)
-    T, min_p, n = 1.5, 0.15, 1000
+    T, min_p, n, vocab = 1.5, 0.15, 1000, qwen["vocab"]
     p = torch.softmax(oracle.hf_logits(hf, prompt)[-1] / T, -1)
     p = torch.where(p >= min_p * p.max(), p, 0.0)
     p = p / p.sum()
@@ -289,6 +289,12 @@ def test_min_p_distribution_by_chi_square(qwen):
     counts = torch.bincount(torch.tensor([o.token_ids[0] for o in outs]), minlength=qwen["vocab"])
     assert int(counts[p == 0].sum()) == 0
     assert chi2_pvalue(counts, p) > 1e-3
+    # processed logprobs are those of this distribution (-inf below the threshold)
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=T, min_p=min_p, seed=0, logprobs=vocab,
+                                              logprobs_mode="processed"))[0]
+    lp = torch.tensor([out.logprobs[0][t].logprob for t in range(vocab)], dtype=torch.float64)
+    assert torch.equal(lp == float("-inf"), p == 0)
+    torch.testing.assert_close(lp[p > 0].exp(), p[p > 0], rtol=0, atol=1e-6)   # target_probs is fp32
 
 
 # ---- validation, defaults, the CLI ----------------------------------------------------------
@@ -302,6 +308,7 @@ BAD = [
     (dict(allowed_token_ids=[3, 256]), "allowed_token_ids"), (dict(bad_words=[[1, -1]]), "bad_words"),
     (dict(bad_words=[[]]), "bad_words"), (dict(bad_words=[[999]]), "bad_words"), (dict(min_tokens=-1), "min_tokens"),
     (dict(min_tokens=20, max_tokens=10), "min_tokens=20 exceeds max_tokens=10"),
+    (dict(allowed_token_ids=[4, 5], bad_words=[[5], [4]]), "ban every one of allowed_token_ids"),
 ]
 
 

@@ -134,6 +134,9 @@ def _control_problems(p: SamplingParams, vocab_size: int | None) -> list[str]:
                             "token ids")
         elif bad := [t for t in p.allowed_token_ids if not _is_id(t, vocab_size)]:
             problems.append(f"allowed_token_ids {bad[:8]} are not {ids}")
+        elif isinstance(p.bad_words, list) and set(p.allowed_token_ids) <= {
+                w[0] for w in p.bad_words if isinstance(w, list) and len(w) == 1}:
+            problems.append("bad_words ban every one of allowed_token_ids: nothing could be generated")
     if p.bad_words is not None:
         words = p.bad_words if isinstance(p.bad_words, list) else None
         if words is None or not all(isinstance(w, (list, str)) and w for w in words):
