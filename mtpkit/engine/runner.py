@@ -1,4 +1,4 @@
-"""Runs one scheduled step: metadata -> model -> sampler / rejection -> drafter.
+"""Runs one scheduled step: metadata -> model -> generation controls -> sampler / rejection -> drafter.
 
 Prefill steps run eager. A verify step and the drafter's proposals run the step bodies
 (engine/step_bodies.py), written once: called on the step's own tensors under enforce_eager,
