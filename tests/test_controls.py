@@ -95,10 +95,15 @@ def test_each_control_changes_the_output_as_defined(family):
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6])
 def test_greedy_controls_are_lossless(family, k):
     """Greedy output with num_spec k equals the output without drafts, token for token, for
-    every control, in one batch with a row that uses none."""
+    every control, in one batch with a row that uses none; at num_spec 3 the verify and propose
+    bodies replay as CPU traces from the first step (static buffers, padded rows)."""
     llm = _llm(family, k, max_num_seqs=4)
+    if k == 3:
+        llm.runner.graphs.trace_after = 0
     outs = llm.generate(family["prompts"], family["cases"])
     assert [o.token_ids for o in outs] == family["ref"], f"{family['name']} num_spec={k}: {llm.stats}"
+    if k == 3:
+        assert llm.runner.graphs.verify_graphs, "the verify steps were meant to replay traces"
     assert llm.stats.num_accepted > 0, "no draft was accepted: the drafts' positions were not exercised"
     if k == 3:
         assert llm.stats.num_accepted < llm.stats.num_drafted, "no draft was rejected"
