@@ -127,6 +127,18 @@ def _parser() -> argparse.ArgumentParser:
                         "tokens at its position (the model's raw distribution)")
     g.add_argument("--n", type=_int_at_least(1), default=1,
                    help="samples per prompt (needs --temperature > 0), each printed; sample i uses seed + i")
+    g.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens less likely than MIN_P x the likeliest, in [0, 1] (default: the checkpoint's "
+                        "generation_config.json, else 0 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help="divide (multiply, if negative) the logits of prompt and output tokens by this, > 0 "
+                        "(default: the checkpoint's generation_config.json, else 1 = off)")
+    g.add_argument("--presence-penalty", type=float, default=None,
+                   help="subtract this from the logits of tokens already generated, in [-2, 2] (default: the "
+                        "checkpoint's generation_config.json, else 0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=None,
+                   help="subtract this times a token's count in the output from its logit, in [-2, 2] (default: "
+                        "the checkpoint's generation_config.json, else 0 = off)")
     g.add_argument("--seed", type=_seed, default=None,
                    help="sampling seed, 0..2**64-1 (None: derived from the engine seed)")
     g.add_argument("--dtype", default="auto",
@@ -254,9 +266,13 @@ def _main(args) -> int:
         llm = mtpkit.LLM(args.model, num_spec=args.num_spec, draft_model=args.draft_model, dtype=args.dtype,
                          device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                          **memory_kwargs(args))
-        params = mtpkit.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-                                       logprobs=args.logprobs, n=args.n, structured_outputs=_structured(args))
+        gen = llm.generation_defaults.sampling   # the checkpoint's penalties / min_p where no flag gives one
+        controls = {k: gen.get(k, off) if getattr(args, k) is None else getattr(args, k)
+                    for k, off in (("min_p", 0.0), ("repetition_penalty", 1.0), ("presence_penalty", 0.0),
+                                   ("frequency_penalty", 0.0))}
+        params = mtpkit.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                       top_p=args.top_p, seed=args.seed, stop=args.stop, logprobs=args.logprobs,
+                                       n=args.n, structured_outputs=_structured(args), **controls)
         trace = mtpkit.set_debug(True) if args.debug else None
         t0 = time.perf_counter()
         for ev in llm.stream(prompts[0] if single else prompts, params):

@@ -153,6 +153,7 @@ class LLM:
         InputError naming `where`."""
         try:  # no SamplingParams: the checkpoint's generation_config.json defaults
             params = normalize_sampling_params(params if params is not None else self.generation_defaults.sampling_params())
+            params = self._encode_bad_words(params)
             params.validate(self.model_config.vocab_size)
         except InputError as e:
             raise InputError(f"{where}: {e}") from None
@@ -188,6 +189,26 @@ class LLM:
             self._grammars = GrammarCompiler(grammar_tokenizer(self.tokenizer, self.model_config.vocab_size,
                                                                self.eos_token_ids))
         return self._grammars
+
+    def _encode_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """bad_words given as strings, as token-id sequences: the string's encoding and, as
+        vLLM does, that of the string after a space when it differs (a word inside a line)."""
+        words = params.bad_words
+        if not isinstance(words, list) or not any(isinstance(w, str) for w in words):
+            return params
+        if self.tokenizer is None:
+            raise InputError("bad_words strings need the checkpoint's tokenizer.json, which this one lacks; "
+                             "give token-id lists")
+        ids = []
+        for w in words:
+            if not isinstance(w, str):
+                ids.append(w)
+                continue
+            for text in dict.fromkeys([w, " " + w.lstrip()]):
+                enc = self.tokenizer.encode(text, add_special_tokens=False).ids
+                if enc and enc not in ids:
+                    ids.append(enc)
+        return dataclasses.replace(params, bad_words=ids)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, *,
                     where: str = "prompt") -> Request:

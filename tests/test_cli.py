@@ -2,6 +2,7 @@
 --max-num-seqs, several prompts and `-` for standard input, --n samples, a closed pipe, and
 draft positions never tried."""
 
+import dataclasses
 import io
 import os
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import mtpkit
-from mtpkit import LLM, SamplingParams, cli
+from mtpkit import LLM, cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +52,8 @@ def test_several_prompts_run_as_one_batch_each_printed_under_its_number(capsys):
     prompts = ["def fibonacci(n):", "import os\n"]
     assert cli.main(["generate", *prompts, "--max-tokens", "12"]) == 0
     out = capsys.readouterr().out
-    expected = LLM("tiny-qwen3-next", num_spec=3).generate(prompts, SamplingParams(max_tokens=12))
+    llm = LLM("tiny-qwen3-next", num_spec=3)   # the CLI applies the checkpoint's penalties (generation_config.json)
+    expected = llm.generate(prompts, dataclasses.replace(llm.generation_defaults.sampling_params(), max_tokens=12))
     first, second = out.split("=== [1]")
     assert first.startswith("=== [0] 'def fibonacci(n):'\n") and expected[0].text in first
     assert expected[1].text in second and "--- 24 tokens in" in second
@@ -77,7 +79,9 @@ def test_n_prints_every_sample(capsys):
 def test_dash_reads_the_prompt_from_stdin(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("def fibonacci(n):\n"))
     assert cli.main(["generate", "-", "--max-tokens", "8", "--num-spec", "0"]) == 0
-    text = LLM("tiny-qwen3-next").generate("def fibonacci(n):", SamplingParams(max_tokens=8))[0].text
+    llm = LLM("tiny-qwen3-next")
+    text = llm.generate("def fibonacci(n):", dataclasses.replace(llm.generation_defaults.sampling_params(),
+                                                                 max_tokens=8))[0].text
     assert capsys.readouterr().out.startswith(text)
 
 

@@ -4,6 +4,7 @@ examples/serve_batch.py's input checks, and the CPU path never importing Triton.
 
 Everything here runs on the embedded tiny model or on no model at all (< 60 s in all)."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -288,7 +289,8 @@ def test_cli_fp8_weights_choose_kept_or_dequantized(tmp_path, monkeypatch, capsy
 def test_ctrl_c_prints_a_note_and_the_text_and_exits_130(monkeypatch, capsys, no_stream):
     from mtpkit import cli
 
-    want = LLM("tiny-qwen3-next").generate("def f(x):", SamplingParams(max_tokens=3))[0].text
+    llm = LLM("tiny-qwen3-next")   # the CLI applies the checkpoint's penalties (generation_config.json)
+    want = llm.generate("def f(x):", dataclasses.replace(llm.generation_defaults.sampling_params(), max_tokens=3))[0].text
     real = LLM.stream
 
     def interrupted(self, *a, **k):  # Ctrl-C after the third step

@@ -87,6 +87,29 @@ def test_completions_chat_and_streams_give_the_engine_tokens(server, client):
     assert whole(llm)
 
 
+def test_n_choices_are_the_engines_samples(server, client):
+    """n > 1 (SamplingParams.n): choice i of prompt p is sample i (seed + i), streamed or not;
+    greedy n > 1 is a 400 naming the fix."""
+    llm = server[0]
+    want = llm.generate(["def f(", "class A:"], SamplingParams(max_tokens=6, temperature=0.9, seed=5, n=3))
+    texts = [c.text for o in want for c in o.outputs]
+    assert len(set(texts)) > 1   # the samples differ, so a mix-up cannot pass
+    r = client.completions.create(model=NAME, prompt=["def f(", "class A:"], max_tokens=6, temperature=0.9, seed=5,
+                                  n=3)
+    assert [c.index for c in r.choices] == list(range(6)) and [c.text for c in r.choices] == texts
+    chunks = list(client.completions.create(model=NAME, prompt=["def f(", "class A:"], max_tokens=6, temperature=0.9,
+                                            seed=5, n=3, stream=True))
+    assert ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+            for i in range(6)] == texts
+    conv = [{"role": "user", "content": "write a stack"}]
+    [chat] = llm.chat(conv, SamplingParams(max_tokens=6, temperature=0.9, seed=5, n=2))
+    r = client.chat.completions.create(model=NAME, messages=conv, max_tokens=6, temperature=0.9, seed=5, n=2)
+    assert [c.message.content for c in r.choices] == [c.text for c in chat.outputs]
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=3, temperature=0, n=2)
+    assert whole(llm)
+
+
 def test_bad_requests_are_clear_4xx_errors_and_the_server_stays_up(server):
     llm, base = server
     auth = {"Authorization": f"Bearer {KEY}"}

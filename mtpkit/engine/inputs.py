@@ -105,8 +105,9 @@ def normalize_sampling_params(params) -> SamplingParams:
         raise InputError(f"sampling_params={short_repr(params)} ({type(params).__name__}) must be a SamplingParams "
                          "or a list of them, one per prompt; e.g. SamplingParams(**d) for a dict d")
     problems, values = [], {}
-    for name, integer in (("max_tokens", True), ("top_k", True), ("seed", True), ("n", True),
-                          ("temperature", False), ("top_p", False)):
+    for name, integer in (("max_tokens", True), ("top_k", True), ("seed", True), ("n", True), ("min_tokens", True),
+                          ("temperature", False), ("top_p", False), ("min_p", False),
+                          ("repetition_penalty", False), ("presence_penalty", False), ("frequency_penalty", False)):
         v = getattr(params, name)
         if is_bool(v):
             problems.append(f"{name}={v!r} must be {'an int' if integer else 'a number'}, not a bool")
@@ -129,6 +130,23 @@ def normalize_sampling_params(params) -> SamplingParams:
         problems.append(f"ignore_eos={short_repr(params.ignore_eos)} must be True or False")
     else:
         values["ignore_eos"] = bool(params.ignore_eos)
+    for name in ("allowed_token_ids", "bad_words"):   # token ids as Python ints (numpy / torch ones too)
+        v = getattr(params, name)
+        if isinstance(v, (list, tuple)) or (is_array(v) and v.ndim == 1):
+            values[name] = [_id_list(w) if isinstance(w, (list, tuple)) or is_array(w) else _id(w)
+                            for w in (v.tolist() if is_array(v) else v)]
+    if isinstance(params.logit_bias, dict):
+        values["logit_bias"] = {_id(t): b if (x := scalar_value(b, False)) is None or is_bool(b) else x
+                                for t, b in params.logit_bias.items()}
     if problems:
         raise InputError("invalid SamplingParams: " + "; ".join(problems))
     return dataclasses.replace(params, **values)
+
+
+def _id(t):
+    """A token id as a Python int when it is an integer scalar; else as given (validate names it)."""
+    return t if is_bool(t) or (x := scalar_value(t, True)) is None else x
+
+
+def _id_list(w) -> list:
+    return [_id(t) for t in (w.tolist() if is_array(w) else w)]

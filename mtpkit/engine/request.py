@@ -4,6 +4,7 @@ import dataclasses
 import enum
 
 from mtpkit.display import HTMLRepr
+from mtpkit.sampling.controls import ControlState
 from mtpkit.sampling.params import SamplingParams
 from mtpkit.structured.matcher import RequestGrammar
 from mtpkit.text.stop_strings import StopStringMatcher
@@ -116,6 +117,9 @@ class Request:
     forks: list = dataclasses.field(default_factory=list, repr=False)
     fork_at: int = 0
     fork_slots: list = dataclasses.field(default_factory=list)
+    # The generation controls' device state (token counts, bias row): built at the request's
+    # first step that uses them, dropped on preemption and rebuilt from the tokens.
+    controls: ControlState | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         if self.params.logprobs is not None and self.output_logprobs is None:

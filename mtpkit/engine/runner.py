@@ -1,4 +1,4 @@
-"""Runs one scheduled step: metadata -> model -> sampler / rejection -> drafter.
+"""Runs one scheduled step: metadata -> model -> generation controls -> sampler / rejection -> drafter.
 
 Prefill steps run eager. A verify step and the drafter's proposals run the step bodies
 (engine/step_bodies.py), written once: called on the step's own tensors under enforce_eager,
@@ -17,6 +17,7 @@ from mtpkit.step.metadata import PrefillChunk, UniformRow, build_prefill, build_
 from mtpkit.config import EngineConfig
 from mtpkit.graphs.plan import CapturePlan
 from mtpkit.graphs.captured import CapturedSteps
+from mtpkit.sampling.controls import controlled_logits
 from mtpkit.sampling.logprobs import prompt_logprob_dicts, step_logprobs
 from mtpkit.sampling.params import SamplingParams
 from mtpkit.sampling.sampler import SamplingTensors
@@ -82,12 +83,13 @@ class ModelRunner:
             last = meta.logits_indices[finishing]
             logits = self.model.compute_logits(hidden[last])[:, None, :]            # [finishing, 1, vocab]
             finishing_reqs = [reqs[i] for i in finishing]
-            masks = self.structured.prefill(finishing_reqs)     # structured outputs: the first token's mask
-            if masks is not None:
-                logits = masks.apply(logits, finishing_reqs)
             sampling = self._sampling([r.params for r in finishing_reqs])
             empty = torch.zeros(len(finishing), 0, dtype=torch.int64, device=self.device)
-            tokens, _ = rejection_sample(logits, empty, torch.zeros(len(finishing), dtype=torch.int64,
+            processed = controlled_logits(logits, empty, finishing_reqs)   # generation controls
+            masks = self.structured.prefill(finishing_reqs)     # structured outputs: the first token's mask
+            if masks is not None:
+                processed = masks.apply(processed, finishing_reqs, keep_raw=processed is logits)
+            tokens, _ = rejection_sample(processed, empty, torch.zeros(len(finishing), dtype=torch.int64,
                                                                     device=self.device),
                                          sampling, [r.seed for r in finishing_reqs], [r.prefill_target for r in finishing_reqs])
             bad = (~torch.isfinite(logits.amax(-1)[:, 0])).long()
@@ -95,8 +97,8 @@ class ModelRunner:
             sampled = [t for t, _ in out]
             ask = [a for a, r in enumerate(finishing_reqs) if r.params.logprobs is not None]
             if ask:
-                lp = logits if masks is None else masks.logprob_logits(logits)
-                per_row = step_logprobs(lp[ask], torch.tensor([[sampled[a]] for a in ask], device=self.device),
+                raw = logits if masks is None else masks.raw_logits(logits)
+                per_row = step_logprobs(raw[ask], processed[ask], torch.tensor([[sampled[a]] for a in ask], device=self.device),
                                         [finishing_reqs[a].params for a in ask], [1] * len(ask))
                 for a, lps in zip(ask, per_row):
                     results[finishing[a]].logprobs = lps
@@ -180,13 +182,15 @@ class ModelRunner:
             step = verify_inputs(token_ids, positions, meta)
             hidden, logits = self.bodies.verify(meta.max_seq_len, *step, self.cache)
         logits = logits.view(n, B, -1)[:R]
-        if masks is not None:   # in place, the constrained rows only
-            logits = masks.apply(logits, reqs)
         drafts = token_ids.view(n, B)[:R, 1:]                                 # [R, k]: d_1..d_k
         limit = torch.tensor(limit_list, dtype=torch.int64, device=self.device)
         sampling = self._sampling([r.params for r in reqs])
         # Bundle index j samples the token at position num_computed + 1 + j.
-        tokens, num_emitted = rejection_sample(logits, drafts, limit, sampling, [r.seed for r in reqs],
+        # The generation controls at every bundle position (drafts before it count as generated).
+        processed = controlled_logits(logits, drafts, reqs)
+        if masks is not None:   # after the controls, in place, the constrained rows only
+            processed = masks.apply(processed, reqs, keep_raw=processed is logits)
+        tokens, num_emitted = rejection_sample(processed, drafts, limit, sampling, [r.seed for r in reqs],
                                           [r.num_computed + 1 for r in reqs])
         # A row whose logits are not finite where they decide its tokens (NaN / inf weights or
         # activations) ends its request with an error; the other rows go on. amax shows NaN and
@@ -201,8 +205,8 @@ class ModelRunner:
         ask = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         step_lps = {}
         if ask:
-            lp = logits if masks is None else masks.logprob_logits(logits)
-            per_row = step_logprobs(lp[ask], tokens[ask], [reqs[i].params for i in ask],
+            raw = logits if masks is None else masks.raw_logits(logits)
+            per_row = step_logprobs(raw[ask], processed[ask], tokens[ask], [reqs[i].params for i in ask],
                                     [emitted_counts[i] for i in ask])
             step_lps = dict(zip(ask, per_row))
         new_drafts = [[] for _ in reqs]

@@ -234,6 +234,7 @@ class Scheduler:
         self._release(r)
         r.status, r.num_computed, r.prefill_target, r.drafts, r.prev_num_emitted = Status.WAITING, 0, 0, [], 1
         r.num_preemptions += 1
+        r.controls = None   # rebuilt from prompt + outputs at its next step
         self.waiting.appendleft(r)
 
     def _release(self, r: Request) -> None:

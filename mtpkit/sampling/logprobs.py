@@ -2,10 +2,13 @@
 
 `Logprob` is what the user gets (vLLM's names). Two modes (SamplingParams.logprobs_mode):
 - "raw": log_softmax of the model's logits (vLLM's default);
-- "processed": the log of the distribution the token was actually sampled from, the target
-  distribution of sampling/sampler.py (temperature, then top-k, then top-p); tokens it
-  truncated get -inf. A greedy row's processed logprobs are its raw ones (its target is the
-  argmax, a one-hot whose log says nothing).
+- "processed": the log of the distribution the token was actually sampled from: the
+  generation controls of sampling/controls.py (bias, allowed ids, bad words, min_tokens,
+  penalties, with the drafts before each position counted as generated), then the target
+  distribution of sampling/sampler.py (temperature, then min-p, top-k, top-p); tokens they
+  removed get -inf. A greedy row's processed logprobs are log_softmax of its controlled
+  logits (its target is their argmax, a one-hot whose log says nothing): its raw ones when
+  it uses no control.
 Prompt logprobs are always raw: no token was sampled there.
 
 Under speculation a verify step's logits row j is the target's at the token of position
@@ -54,14 +57,20 @@ def topk_logprobs(
 
 @checked
 def processed_logprobs(
-    logits: Float[Tensor, "num_reqs bundle vocab"], params: list[SamplingParams],
+    logits: Float[Tensor, "num_reqs bundle vocab"], controlled: Float[Tensor, "num_reqs bundle vocab"],
+    params: list[SamplingParams],
 ) -> Float[Tensor, "num_reqs bundle vocab"]:
-    """Logprobs (fp32, float64 for a float64 model) of each row in its own mode (module docstring)."""
+    """Logprobs (fp32, float64 for a float64 model) of each row in its own mode (module
+    docstring); `controlled`: the logits after the generation controls (sampling/controls.py)."""
     raw = torch.log_softmax(_at_least_fp32(logits), dim=-1)
+    greedy = [i for i, p in enumerate(params) if p.logprobs_mode == "processed" and p.temperature == 0
+              and p.has_controls]
+    if greedy:
+        raw[greedy] = torch.log_softmax(_at_least_fp32(controlled[greedy]), dim=-1).to(raw.dtype)
     sampled = [i for i, p in enumerate(params) if p.logprobs_mode == "processed" and p.temperature > 0]
     if sampled:
         st = SamplingTensors.from_params([params[i] for i in sampled], logits.device)
-        raw[sampled] = target_probs(logits[sampled], st).log().to(raw.dtype)   # p is fp32
+        raw[sampled] = target_probs(controlled[sampled], st).log().to(raw.dtype)   # p is fp32
     return raw
 
 
@@ -78,13 +87,13 @@ def logprob_dicts(own, rank, top_vals, top_ids, tokens: list[int], num_tops: lis
     return out
 
 
-def step_logprobs(logits, tokens, params: list[SamplingParams], counts: list[int]) -> list[list[dict]]:
-    """logits [A, B, V] and tokens [A, B] of the A rows that ask; row a's first counts[a]
-    positions are wanted. One log_softmax and one topk for the step; the host reads only those
-    rows."""
+def step_logprobs(logits, controlled, tokens, params: list[SamplingParams], counts: list[int]) -> list[list[dict]]:
+    """logits [A, B, V] (the model's), controlled [A, B, V] (after the generation controls) and
+    tokens [A, B] of the A rows that ask; row a's first counts[a] positions are wanted. One
+    log_softmax and one topk for the step; the host reads only those rows."""
     A, B, V = logits.shape
     num_top = min(max(p.logprobs for p in params), V)
-    lp = processed_logprobs(logits, params).view(A * B, V)
+    lp = processed_logprobs(logits, controlled, params).view(A * B, V)
     own, rank, vals, ids = topk_logprobs(lp, tokens.reshape(-1), num_top)
     own, rank = own.view(A, B).tolist(), rank.view(A, B).tolist()
     vals, ids = vals.view(A, B, -1).tolist(), ids.view(A, B, -1).tolist()

@@ -39,6 +39,33 @@ class SamplingParams:
     # prefilled once and its KV shared; sample i draws as a request of seed + i would (without
     # a seed, each sample gets its own fixed one from the engine's seed and its request id).
     n: int = 1
+    # Generation controls (vLLM's / OpenAI's names; mtpkit.sampling.controls), each applied at
+    # every bundle position of a verify step as if the tokens came one at a time.
+    # repetition_penalty (HF / vLLM): over prompt and output tokens, a seen token's logit is
+    # divided by it when > 0, multiplied when < 0 (1: off). presence_penalty /
+    # frequency_penalty (OpenAI): over output tokens, logit - presence * (count > 0) -
+    # frequency * count (0: off). min_p: after temperature, drop tokens with p < min_p * max p
+    # (0: off; random rows only). logit_bias: token id -> added to its logit.
+    # allowed_token_ids: only these may be generated (None: all). bad_words: token-id
+    # sequences that may not be generated (a sequence's last token is banned after its other
+    # tokens were just generated; one token: always banned); LLM also takes strings, encoded
+    # by its tokenizer. min_tokens: eos and stop_token_ids are banned until that many output
+    # tokens exist.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list | None = None
+    min_tokens: int = 0
+
+    @property
+    def has_controls(self) -> bool:
+        """Whether any logits control is on (a row without one takes the plain path)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
+                or self.min_tokens > 0)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InputError naming the bad field and its valid range."""
@@ -80,6 +107,7 @@ class SamplingParams:
                             "samples; set temperature > 0 to sample, or n=1")
         if self.logprobs_mode not in LOGPROBS_MODES:
             problems.append(f"logprobs_mode={self.logprobs_mode!r} must be one of {', '.join(LOGPROBS_MODES)}")
+        problems += _control_problems(self, vocab_size)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 problems.append(f"structured_outputs must be a mtpkit.StructuredOutputs, not "
@@ -91,3 +119,58 @@ class SamplingParams:
                                     "structure ends with eos; drop ignore_eos (max_tokens still caps the length)")
         if problems:
             raise InputError("invalid SamplingParams: " + "; ".join(problems))
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_id(t, vocab_size: int | None) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0 and (vocab_size is None or t < vocab_size)
+
+
+def _control_problems(p: SamplingParams, vocab_size: int | None) -> list[str]:
+    """The generation controls' problems (ranges as vLLM / OpenAI state them)."""
+    problems = []
+    ids = f"token ids in 0..{vocab_size - 1}" if vocab_size is not None else "token ids >= 0"
+    if not _is_number(p.repetition_penalty) or p.repetition_penalty <= 0:
+        problems.append(f"repetition_penalty={p.repetition_penalty!r} must be a finite number > 0 (1 = off)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(p, name)
+        if not _is_number(v) or not -2.0 <= v <= 2.0:
+            problems.append(f"{name}={v!r} must be a number in [-2, 2] (0 = off)")
+    if not _is_number(p.min_p) or not 0.0 <= p.min_p <= 1.0:
+        problems.append(f"min_p={p.min_p!r} must be a number in [0, 1] (0 = off)")
+    if p.logit_bias is not None:
+        if not isinstance(p.logit_bias, dict):
+            problems.append(f"logit_bias={p.logit_bias!r} must be a dict {{token id: bias}}")
+        else:
+            bad = [t for t in p.logit_bias if not _is_id(t, vocab_size)]
+            if bad:
+                problems.append(f"logit_bias keys {bad[:8]} are not {ids}")
+            vals = [v for v in p.logit_bias.values() if not _is_number(v)]
+            if vals:
+                problems.append(f"logit_bias values {vals[:8]} must be finite numbers")
+    if p.allowed_token_ids is not None:
+        if not isinstance(p.allowed_token_ids, list) or not p.allowed_token_ids:
+            problems.append(f"allowed_token_ids={p.allowed_token_ids!r} must be None or a non-empty list of "
+                            "token ids")
+        elif bad := [t for t in p.allowed_token_ids if not _is_id(t, vocab_size)]:
+            problems.append(f"allowed_token_ids {bad[:8]} are not {ids}")
+        elif isinstance(p.bad_words, list) and set(p.allowed_token_ids) <= {
+                w[0] for w in p.bad_words if isinstance(w, list) and len(w) == 1}:
+            problems.append("bad_words ban every one of allowed_token_ids: nothing could be generated")
+    if p.bad_words is not None:
+        words = p.bad_words if isinstance(p.bad_words, list) else None
+        if words is None or not all(isinstance(w, (list, str)) and w for w in words):
+            problems.append(f"bad_words={p.bad_words!r} must be a list of non-empty token-id lists (or, "
+                            "through LLM, strings)")
+        else:
+            bad = [w for w in words if isinstance(w, list) and not all(_is_id(t, vocab_size) for t in w)]
+            if bad:
+                problems.append(f"bad_words {bad[:4]} hold values that are not {ids}")
+    if not isinstance(p.min_tokens, int) or isinstance(p.min_tokens, bool) or p.min_tokens < 0:
+        problems.append(f"min_tokens={p.min_tokens!r} must be an int >= 0")
+    elif isinstance(p.max_tokens, int) and p.min_tokens > p.max_tokens:
+        problems.append(f"min_tokens={p.min_tokens} exceeds max_tokens={p.max_tokens}; lower it or raise max_tokens")
+    return problems

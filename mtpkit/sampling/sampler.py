@@ -1,7 +1,7 @@
 """Sampling parameters, their per-step tensors, the target distribution p, and the draws.
 
-Greedy rows (temperature 0) take the argmax; random rows apply temperature, then top-k, then
-top-p (`target_probs`), and draw with an exponential race (`sample_tokens`): the token at a
+Greedy rows (temperature 0) take the argmax; random rows apply temperature, then min-p, then
+top-k, then top-p (`target_probs`; vLLM's order), and draw with an exponential race (`sample_tokens`): the token at a
 position is argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. over the vocabulary. Since
 P(E_i / p_i < E_j / p_j for all j != i) = p_i, that is exactly a sample from p (the
 Gumbel-max trick: -log E_i is Gumbel).
@@ -33,6 +33,7 @@ class SamplingTensors:
     temperature: Float[Tensor, "num_reqs"]
     top_k: Int[Tensor, "num_reqs"]
     top_p: Float[Tensor, "num_reqs"]
+    min_p: Float[Tensor, "num_reqs"]
     greedy: Bool[Tensor, "num_reqs"]
     all_greedy: bool
 
@@ -43,6 +44,7 @@ class SamplingTensors:
             temperature=torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
             greedy=torch.tensor([t == 0 for t in temps], dtype=torch.bool, device=device),
             all_greedy=all(t == 0 for t in temps),
         )
@@ -52,9 +54,14 @@ class SamplingTensors:
 def target_probs(
     logits: Float[Tensor, "num_reqs bundle vocab"], st: SamplingTensors
 ) -> Float[Tensor, "num_reqs bundle vocab"]:
-    """p: temperature, top-k, top-p applied per row (fp32). Greedy rows get a one-hot argmax."""
+    """p: temperature, min-p, top-k, top-p applied per row (fp32). Greedy rows get a one-hot argmax."""
     x = logits.float() / st.temperature[:, None, None]
     V = x.shape[-1]
+    if bool((st.min_p > 0).any()):
+        # vLLM's min-p: after temperature, drop tokens whose p is below min_p * the largest p
+        # (p / max p = exp(x - max x): no softmax needed)
+        rel = (x - x.amax(-1, keepdim=True)).exp()
+        x = x.masked_fill(rel < st.min_p[:, None, None], float("-inf"))
     if bool((st.top_k > 0).any()):
         k = torch.where(st.top_k > 0, st.top_k, V).clamp(max=V)
         kth = torch.sort(x, dim=-1, descending=True).values.gather(-1, (k - 1)[:, None, None].expand(-1, x.shape[1], 1))

@@ -5,8 +5,8 @@ drafting may rewrite the drafts it feeds): per constrained request, the masks of
 positions 0..limit (matcher.RequestGrammar.bundle_masks), into one host tensor
 [num_constrained, bundle, vocab_words] copied to the device once; `StepMasks.apply` masks the
 logits there, in place and on the constrained rows only (sampling/bitmask.py), before rejection
-sampling; the runner's non-finite check then reads the masked logits, where they decide the
-tokens (a NaN at a forbidden token decides nothing). `prefill` does the same for the
+sampling and after the generation controls (sampling/controls.py), so a control never lifts
+a token the grammar forbids. `prefill` does the same for the
 first token sampled after a prompt (bundle 1). A step without constrained requests gets None
 and costs one list scan. `host_seconds` and `steps` add up the time spent here and the steps
 that had constrained rows (benchmarks/structured_json.py reads them).
@@ -30,17 +30,19 @@ class StepMasks:
     raw_rows: tuple | None = None      # (rows, their raw logits): constrained rows asking raw logprobs
 
     @checked
-    def apply(self, logits: Float[Tensor, "num_reqs bundle vocab"], reqs: list) -> Float[Tensor, "num_reqs bundle vocab"]:
-        """Mask the constrained rows of the step's logits in place (a constrained row asking for
-        raw logprobs keeps a copy of its raw row first); returns `logits`."""
+    def apply(self, logits: Float[Tensor, "num_reqs bundle vocab"], reqs: list, keep_raw: bool
+              ) -> Float[Tensor, "num_reqs bundle vocab"]:
+        """Mask the constrained rows of the step's logits (after the generation controls) in
+        place; returns `logits`. `keep_raw`: they are the model's own logits (no control made a
+        copy), so a constrained row asking for raw logprobs keeps a copy of its row first."""
         keep = [i for i in self.row_list if reqs[i].params.logprobs is not None
-                and reqs[i].params.logprobs_mode != "processed"]
+                and reqs[i].params.logprobs_mode != "processed"] if keep_raw else []
         if keep:
             self.raw_rows = (keep, logits[keep].clone())
         return apply_token_bitmask_(logits, self.bitmask, self.rows)
 
-    def logprob_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits logprobs read: masked for constrained rows in "processed" mode, raw otherwise."""
+    def raw_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The model's logits for raw logprobs: `logits` with the rows apply() saved put back."""
         if self.raw_rows is None:
             return logits
         keep, raw = self.raw_rows

@@ -7,6 +7,10 @@ special_tokens_map.json (a chat template's end-of-turn token). Sampling defaults
 a call passes no SamplingParams: temperature, top_k and top_p where the file gives them (a
 serving engine's reading: `do_sample` is not required), temperature 1.0 when it gives only
 top_k / top_p, and greedy when `do_sample` is false or the file gives none of them.
+`repetition_penalty` applies either way (transformers applies it to greedy search too), and
+so do `presence_penalty` / `frequency_penalty` (the OpenAI names: mtpkit reads them, transformers
+ignores them); `min_p` with the sampling fields (greedy rows ignore it); `bad_words_ids` as
+bad_words.
 """
 
 import dataclasses
@@ -59,8 +63,23 @@ def read_generation_defaults(path: Path, cfg, tokenizer=None) -> GenerationDefau
             sampling["top_k"] = int(given["top_k"])
         if "top_p" in given:
             sampling["top_p"] = float(given["top_p"])
+        if gen.get("min_p") is not None:
+            sampling["min_p"] = _number(f, gen, "min_p")
+    for k, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+        if gen.get(k) is not None and gen[k] != off:
+            sampling[k] = _number(f, gen, k)
+    if gen.get("bad_words_ids"):
+        sampling["bad_words"] = gen["bad_words_ids"]
+    if sampling:
         try:
             SamplingParams(**sampling).validate(cfg.vocab_size)
         except Exception as e:
             raise CheckpointError(f"{f}: {e}") from None
     return GenerationDefaults(tuple(sorted(ids)), sampling)
+
+
+def _number(f: Path, gen: dict, k: str) -> float:
+    v = gen[k]
+    if not isinstance(v, numbers.Real) or isinstance(v, bool):
+        raise CheckpointError(f"{f}: {k}={v!r} must be a number")
+    return float(v)
