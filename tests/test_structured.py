@@ -443,3 +443,16 @@ def test_grammars_lark_and_gbnf(grammar):
         assert o.finish_reason == "stop" and re.fullmatch(r"\([0-9]{1,3}(,[0-9]{1,3})*\)", o.text), o.text
     assert [o.token_ids for o in outs] == [o.token_ids for o in _llm("tiny-qwen3-next", 0).generate(
         PROMPTS[:2] * 2, [sp[0], sp[0], sp[1], sp[1]])]
+
+
+def test_with_the_generation_controls():
+    """The grammar's masks come after the controls: a penalty and a bad word inside a structure,
+    greedy and seeded, valid and the same with and without drafts."""
+    sp = [SamplingParams(max_tokens=64, temperature=t, seed=4, repetition_penalty=1.3, bad_words=["0"],
+                         structured_outputs=_specs()["json"]) for t in (0.0, 1.0)]
+    outs = _llm("tiny-gemma4", 3).generate(PROMPTS[:2] * 2, [sp[0], sp[0], sp[1], sp[1]])
+    for o in outs:
+        assert o.finish_reason == "stop" and "0" not in o.text, o.text
+        _check_valid("json", o.text)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in _llm("tiny-gemma4", 0).generate(
+        PROMPTS[:2] * 2, [sp[0], sp[0], sp[1], sp[1]])]
