@@ -65,8 +65,10 @@ def test_n_prints_every_sample(capsys):
     assert cli.main(["generate", "def f(x):", "--n", "3", "--temperature", "0.8", "--seed", "5",
                      "--max-tokens", "6"]) == 0
     out = capsys.readouterr().out
-    want = LLM("tiny-qwen3-next", num_spec=3).generate(
-        ["def f(x):"] * 3, [SamplingParams(max_tokens=6, temperature=0.8, seed=5 + i) for i in range(3)])
+    llm = LLM("tiny-qwen3-next", num_spec=3)
+    defaults = llm.generation_defaults.sampling_params()   # the CLI applies the checkpoint's penalties
+    want = llm.generate(["def f(x):"] * 3, [dataclasses.replace(defaults, max_tokens=6, temperature=0.8, seed=5 + i)
+                                            for i in range(3)])
     parts = out.split("--- sample ")
     assert [p[0] for p in parts[1:]] == ["0", "1", "2"]
     for part, o in zip(parts[1:], want):
@@ -107,7 +109,9 @@ def test_a_closed_pipe_ends_quietly():
 def test_logprobs_flag_prints_each_tokens_logprob_and_the_likeliest(capsys):
     assert cli.main(["generate", "def f(x):", "--max-tokens", "6", "--logprobs", "2"]) == 0
     out = capsys.readouterr().out
-    ref = LLM("tiny-qwen3-next").generate("def f(x):", SamplingParams(max_tokens=6, logprobs=2))[0]
+    llm = LLM("tiny-qwen3-next")
+    ref = llm.generate("def f(x):", dataclasses.replace(llm.generation_defaults.sampling_params(), max_tokens=6,
+                                                        logprobs=2))[0]
     rows = out.split("--- logprobs")[1].splitlines()[1:1 + len(ref.token_ids)]
     assert len(rows) == len(ref.token_ids)
     for row, t, entry in zip(rows, ref.token_ids, ref.logprobs):
