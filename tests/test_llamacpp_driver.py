@@ -19,17 +19,13 @@ MAX_TOKENS = 32
 WORKDIR = lc.workdir_from_env()
 
 
-@pytest.fixture(scope="module")
-def prompt():
-    from bench_cpu import heldout_prompts
-    return heldout_prompts(1, 64)[0]
-
-
 @pytest.mark.parametrize("model", ["tiny-qwen3-next", "tiny-gemma4"])
-def test_driver_greedy_tokens_equal_mtpkits(model, prompt):
+def test_driver_greedy_tokens_equal_mtpkits(model):
     why = lc.missing(WORKDIR, model)
     if why:
         pytest.skip(why)
+    from bench_cpu import heldout_prompts
+    prompt = heldout_prompts(1, 64)[0]
     want, = lc.mtpkit_greedy(model, [prompt], MAX_TOKENS)
     files = lc.model_files(WORKDIR, model)
     for mode in ("plain", "mtp"):

@@ -47,7 +47,7 @@ def fetch_sources(workdir: Path) -> Path:
     sdist = workdir / f"llama_cpp_python-{VERSION}.tar.gz"
     if not sdist.is_file():
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        "--no-build-isolation", "-d", str(workdir), f"llama-cpp-python=={VERSION}"],
+                        "-d", str(workdir), f"llama-cpp-python=={VERSION}"],
                        check=True)
     with tarfile.open(sdist) as tar:
         tar.extractall(workdir, filter="data")

@@ -43,8 +43,8 @@ def missing(workdir: Path, name: str) -> str | None:
     files = [driver_path(workdir), *(p for p in model_files(workdir, name) if p is not None)]
     absent = [str(p) for p in files if not p.is_file()]
     if absent:
-        return (f"llama.cpp is not built ({', '.join(absent)} missing): run `{BUILD_COMMAND}`"
-                f"{'' if Path(workdir) == DEFAULT_WORKDIR else f' --workdir {workdir}'}")
+        build = BUILD_COMMAND + ("" if Path(workdir) == DEFAULT_WORKDIR else f" --workdir {workdir}")
+        return f"llama.cpp is not built ({', '.join(absent)} missing): run `{build}`"
     return None
 
 
@@ -67,7 +67,7 @@ class LlamaCppDriver:
         if mode not in ("plain", "mtp"):
             raise ValueError(f"mode must be 'plain' or 'mtp', not {mode!r}")
         cmd = [str(driver), "-m", str(model), "-t", str(threads), "-tb", str(threads), "-c", str(ctx),
-               "-b", str(ctx), "-ub", str(ctx), "--no-warmup"]
+               "-b", str(ctx), "-ub", str(ctx)]
         if mode == "mtp":
             cmd += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(num_drafts),
                     "--spec-draft-n-min", "0"]
