@@ -24,7 +24,8 @@ that is 8 generations one after another.
 llama.cpp, what people run on CPUs instead, is the baseline when it is built
 (`python benchmarks/llamacpp/build.py`; `--llamacpp DIR` or $MTPKIT_LLAMACPP for another
 workdir than ~/.cache/mtpkit-llamacpp): at batch 1, rows for llama.cpp plain and MTP
-(draft-mtp with the MTP head, or the Gemma 4 assistant as its drafter; 3 drafts; f32 GGUFs),
+(draft-mtp with the MTP head, or the Gemma 4 assistant as its drafter; `--llamacpp-drafts`,
+default 3; f32 GGUFs),
 each a long-lived driver process fed token ids (benchmarks/llamacpp/driver.cpp), alternated
 in the rounds like every other engine, and ratios x llama.cpp. Without it the table says how
 to build it and goes on without those rows.
@@ -131,6 +132,8 @@ def main():
     p.add_argument("--llamacpp", type=Path, default=None,
                    help="llama.cpp workdir of benchmarks/llamacpp/build.py (default $MTPKIT_LLAMACPP "
                         "or ~/.cache/mtpkit-llamacpp)")
+    p.add_argument("--llamacpp-drafts", type=int, default=llamacpp_client.NUM_DRAFTS,
+                   help="llama.cpp's draft length in MTP mode")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -142,7 +145,7 @@ def main():
         llm.runner.graphs.trace_after = 0
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     llamacpp = llamacpp_drivers(args.llamacpp or llamacpp_client.workdir_from_env(), path.name,
-                                args.threads or torch.get_num_threads())
+                                args.threads or torch.get_num_threads(), args.llamacpp_drafts)
     print(f"model={path.name} prompts={args.prompts} max_tokens={args.max_tokens} prompt_len={args.prompt_len} "
           f"threads={torch.get_num_threads()}; {args.rounds} rounds, each running every engine once: "
           f"tok/s from the median time, ratios the median of same-round ratios")
@@ -179,7 +182,7 @@ def main():
             same = results[name] == ref
             all_same &= same
             if name in llamacpp:
-                label = f"{name} {llamacpp_client.NUM_DRAFTS} drafts" if name != "llama.cpp" else "llama.cpp f32"
+                label = f"{name} {args.llamacpp_drafts} drafts" if name != "llama.cpp" else "llama.cpp f32"
             elif isinstance(name, str):
                 label = name if name == "transformers" else f"transformers assisted k={name[2:]}"
             else:
@@ -209,7 +212,7 @@ def main():
         d.close()
 
 
-def llamacpp_drivers(workdir: Path, model: str, threads: int) -> dict:
+def llamacpp_drivers(workdir: Path, model: str, threads: int, num_drafts: int) -> dict:
     """llama.cpp plain and MTP drivers for `model`, or none (saying how to build them)."""
     why = llamacpp_client.missing(workdir, model)
     if why:
@@ -218,7 +221,8 @@ def llamacpp_drivers(workdir: Path, model: str, threads: int) -> dict:
     files = llamacpp_client.model_files(workdir, model)
     driver = llamacpp_client.driver_path(workdir)
     return {"llama.cpp": llamacpp_client.LlamaCppDriver(driver, *files, mode="plain", threads=threads),
-            "llama.cpp mtp": llamacpp_client.LlamaCppDriver(driver, *files, mode="mtp", threads=threads)}
+            "llama.cpp mtp": llamacpp_client.LlamaCppDriver(driver, *files, mode="mtp", threads=threads,
+                                                            num_drafts=num_drafts)}
 
 
 if __name__ == "__main__":
