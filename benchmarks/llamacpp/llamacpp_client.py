@@ -60,7 +60,8 @@ class Generation:
 
 
 class LlamaCppDriver:
-    """One driver process: greedy, one thread unless told otherwise, `mode` "plain" or "mtp"."""
+    """One driver process: greedy, one thread unless told otherwise, `mode` "plain" or "mtp".
+    `ctx` bounds prompt + max_tokens of a request (the driver exits with llama.cpp's error past it)."""
 
     def __init__(self, driver: Path, model: Path, drafter: Path | None = None, mode: str = "plain",
                  threads: int = 1, num_drafts: int = NUM_DRAFTS, ctx: int = 1024):
