@@ -61,16 +61,16 @@ EDITS = [
     # products) and records the original size. The op scales q by 1/sqrt(S_k) = 1/sqrt(64);
     # the checkpoint was trained with 1/sqrt(32): multiply q by sqrt(64/32) after its L2 norm.
     ("src/models/qwen3next.cpp",
-     "    q_conv = build_gdn_l2_norm(ctx0, q_conv, eps_norm);\n"
-     "    k_conv = build_gdn_l2_norm(ctx0, k_conv, eps_norm);\n",
-     "    q_conv = build_gdn_l2_norm(ctx0, q_conv, eps_norm);\n"
-     "    k_conv = build_gdn_l2_norm(ctx0, k_conv, eps_norm);\n"
-     "    {   // mtpkit: q/k heads zero-padded from mtpkit.ssm_key_head_dim to head_k_dim\n"
-     "        const auto it = model.gguf_kv.find(\"mtpkit.ssm_key_head_dim\");\n"
-     "        if (it != model.gguf_kv.end()) {\n"
-     "            q_conv = ggml_scale(ctx0, q_conv, sqrtf((float) head_k_dim / std::stof(it->second)));\n"
-     "        }\n"
-     "    }\n"),
+     ("    q_conv = build_gdn_l2_norm(ctx0, q_conv, eps_norm);\n"
+      "    k_conv = build_gdn_l2_norm(ctx0, k_conv, eps_norm);\n"),
+     ("    q_conv = build_gdn_l2_norm(ctx0, q_conv, eps_norm);\n"
+      "    k_conv = build_gdn_l2_norm(ctx0, k_conv, eps_norm);\n"
+      "    {   // mtpkit: q/k heads zero-padded from mtpkit.ssm_key_head_dim to head_k_dim\n"
+      "        const auto it = model.gguf_kv.find(\"mtpkit.ssm_key_head_dim\");\n"
+      "        if (it != model.gguf_kv.end()) {\n"
+      "            q_conv = ggml_scale(ctx0, q_conv, sqrtf((float) head_k_dim / std::stof(it->second)));\n"
+      "        }\n"
+      "    }\n")),
     # tiny-gemma4-assistant is as wide as its target (256 = 256): the check that
     # embedding_length_out carries a different (the target's) width does not hold, and the
     # width it reads is right all the same.
