@@ -2,7 +2,7 @@
 prompt as token ids, greedy-decodes exactly mtpkit's tokens, plain and with MTP drafts
 (tiny-qwen3-next's MTP head; tiny-gemma4's assistant). Runs when llama.cpp is built
 (benchmarks/llamacpp/build.py, into $MTPKIT_LLAMACPP or ~/.cache/mtpkit-llamacpp) and skips
-saying how to build it otherwise: building takes ~15 minutes, too long for the suite."""
+saying how to build it otherwise: building takes 15-35 minutes, too long for the suite."""
 
 import sys
 from pathlib import Path

@@ -4,14 +4,16 @@ and checks that llama.cpp's greedy output equals mtpkit's, token for token.
     python benchmarks/llamacpp/build.py                   # into ~/.cache/mtpkit-llamacpp
     python benchmarks/llamacpp/build.py --workdir DIR --jobs 2
 
-Steps (each skipped when its output is already there; `--force` redoes the build):
+Steps (each skipped when its output is already there; the build is incremental; `--force`
+reconverts the models):
 1. `pip download --no-binary :all: llama-cpp-python==0.3.36` into WORKDIR and extract it: the
    sdist vendors llama.cpp (commit 0c1e57098), whose tree is built, never the Python package.
 2. Two small source edits the tiny embedded models need (`patch_sources`; the real models
    need neither): the gated-delta-net q rescale for zero-padded key heads (qwen3next), and the
    Gemma 4 assistant's hidden-size check (it refuses an assistant as wide as its target).
 3. CMake, Release, CPU only (GGML_NATIVE, OpenMP), of libllama + common + the driver
-   (`benchmarks/llamacpp/driver.cpp`, `benchmarks/llamacpp/CMakeLists.txt`): ~15 min on 2 cores.
+   (`benchmarks/llamacpp/driver.cpp`, `benchmarks/llamacpp/CMakeLists.txt`, copied to
+   WORKDIR/driver-src): ~15-30 min on 2 cores the first time.
 4. `benchmarks/llamacpp/convert.py`: f32 GGUFs of tiny-qwen3-next (with its MTP head),
    tiny-gemma4 and tiny-gemma4-assistant in WORKDIR/models.
 5. The correctness check: the driver's greedy output (plain, and MTP) equals
@@ -92,10 +94,23 @@ def patch_sources(src: Path) -> None:
         path.write_text(text.replace(before, after))
 
 
+def driver_sources(workdir: Path) -> Path:
+    """The driver's CMake project, copied into the workdir: the build then does not depend on
+    where this checkout lives (a build dir remembers its source dir). Files are rewritten only
+    when they changed, so an unchanged driver is not rebuilt."""
+    dst = workdir / "driver-src"
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("CMakeLists.txt", "driver.cpp"):
+        text = (HERE / name).read_text()
+        if not (dst / name).is_file() or (dst / name).read_text() != text:
+            (dst / name).write_text(text)
+    return dst
+
+
 def build(workdir: Path, src: Path, jobs: int) -> Path:
     build_dir = workdir / "build"
     nice = ["nice", "-n", "19"] if os.name == "posix" else []
-    subprocess.run(nice + ["cmake", "-S", str(HERE), "-B", str(build_dir), f"-DLLAMA_CPP_DIR={src}",
+    subprocess.run(nice + ["cmake", "-S", str(driver_sources(workdir)), "-B", str(build_dir), f"-DLLAMA_CPP_DIR={src}",
                            "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON",
                            "-DBUILD_SHARED_LIBS=OFF"], check=True)
     subprocess.run(nice + ["cmake", "--build", str(build_dir), "-j", str(jobs),
@@ -133,18 +148,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--force", action="store_true", help="rebuild and reconvert")
+    ap.add_argument("--force", action="store_true", help="reconvert the models")
     ap.add_argument("--skip-check", action="store_true")
     args = ap.parse_args()
     workdir = args.workdir.resolve()
 
     src = fetch_sources(workdir)
     patch_sources(src)
-    if args.force or not driver_path(workdir).is_file():
-        build(workdir, src, args.jobs)
-    else:  # cheap when nothing changed, and picks up an edited driver.cpp
-        subprocess.run(["cmake", "--build", str(workdir / "build"), "-j", str(args.jobs),
-                        "--target", DRIVER_NAME], check=True)
+    build(workdir, src, args.jobs)   # incremental: seconds when only driver.cpp (or nothing) changed
     subprocess.run([sys.executable, str(HERE / "convert.py"), "--workdir", str(workdir)]
                    + (["--force"] if args.force else []), check=True)
     if not args.skip_check:
