@@ -20,6 +20,15 @@ warm-up pays for tracing and the timed runs measure the steady state.
 
 Every batch size runs the same `--prompts` held-out prompts (8), `batch` at a time: at batch 1
 that is 8 generations one after another.
+
+llama.cpp, what people run on CPUs instead, is the baseline when it is built
+(`python benchmarks/llamacpp/build.py`; `--llamacpp DIR` or $MTPKIT_LLAMACPP for another
+workdir than ~/.cache/mtpkit-llamacpp): at batch 1, rows for llama.cpp plain and MTP
+(draft-mtp with the MTP head, or the Gemma 4 assistant as its drafter; `--llamacpp-drafts`,
+default 3; f32 GGUFs),
+each a long-lived driver process fed token ids (benchmarks/llamacpp/driver.cpp), alternated
+in the rounds like every other engine, and ratios x llama.cpp. Without it the table says how
+to build it and goes on without those rows.
 """
 
 import argparse
@@ -34,6 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # training/ is not
 
 from mtpkit import LLM, SamplingParams
 from mtpkit.checkpoint.hub import resolve_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "llamacpp"))
+import llamacpp_client  # noqa: E402  (benchmarks/llamacpp)
 
 def heldout_prompts(batch: int, length: int) -> list[list[int]]:
     """`length` tokens from each of the first `batch` usable held-out stdlib files (the files the
@@ -117,6 +129,11 @@ def main():
     p.add_argument("--max-spec", type=int, default=4)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--llamacpp", type=Path, default=None,
+                   help="llama.cpp workdir of benchmarks/llamacpp/build.py (default $MTPKIT_LLAMACPP "
+                        "or ~/.cache/mtpkit-llamacpp)")
+    p.add_argument("--llamacpp-drafts", type=int, default=llamacpp_client.NUM_DRAFTS,
+                   help="llama.cpp's draft length in MTP mode")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -127,6 +144,8 @@ def main():
     for llm in engines.values():  # long-lived engines: CPU graphs traced on first use (graphs.captured)
         llm.runner.graphs.trace_after = 0
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    llamacpp = llamacpp_drivers(args.llamacpp or llamacpp_client.workdir_from_env(), path.name,
+                                args.threads or torch.get_num_threads(), args.llamacpp_drafts)
     print(f"model={path.name} prompts={args.prompts} max_tokens={args.max_tokens} prompt_len={args.prompt_len} "
           f"threads={torch.get_num_threads()}; {args.rounds} rounds, each running every engine once: "
           f"tok/s from the median time, ratios the median of same-round ratios")
@@ -147,20 +166,33 @@ def main():
                 llm.stats.__init__(num_spec=k)
                 return [o.token_ids for g in groups for o in llm.generate(g, sp)]
             fns[k] = run
+        if batch == 1:   # the driver decodes one sequence at a time
+            for name, d in llamacpp.items():
+                fns[name] = lambda d=d: [d.generate(p, args.max_tokens) for p in prompts]
         times, results = round_robin(fns, args.rounds)
+        stats = {name: results[name] for name in llamacpp if name in results}
+        for name in stats:
+            results[name] = [g.tokens for g in stats[name]]
         ref = results["transformers"]
         print(f"\nbatch {batch}:")
-        print(f"  {'engine':<28} {'tok/s':>8} {'x transformers':>14} {'x mtpkit k=0':>12} {'mean acc len':>12} {'same tokens':>11}")
+        lc = "llama.cpp" if "llama.cpp" in fns else None
+        print(f"  {'engine':<28} {'tok/s':>8} {'x transformers':>14} {'x mtpkit k=0':>12} "
+              f"{'x llama.cpp' if lc else '':>11} {'mean acc len':>12} {'same tokens':>11}")
         for name in fns:
             same = results[name] == ref
             all_same &= same
-            if isinstance(name, str):
+            if name in llamacpp:
+                label = f"{name} {args.llamacpp_drafts} drafts" if name != "llama.cpp" else "llama.cpp f32"
+            elif isinstance(name, str):
                 label = name if name == "transformers" else f"transformers assisted k={name[2:]}"
             else:
                 label = f"mtpkit num_spec={name}"
             mal = engines[name].stats.mean_acceptance_length if isinstance(name, int) and name else None
+            if name in stats and name != "llama.cpp":
+                mal = sum(len(g.tokens) for g in stats[name]) / sum(g.n_steps for g in stats[name])
+            x_lc = f"{ratio(times, name, lc):.2f}" if lc else ""
             print(f"  {label:<28} {n / statistics.median(times[name]):>8.1f} {ratio(times, name, 'transformers'):>14.2f} "
-                  f"{ratio(times, name, 0):>12.2f} {'' if mal is None else f'{mal:.2f}':>12} {str(same):>11}")
+                  f"{ratio(times, name, 0):>12.2f} {x_lc:>11} {'' if mal is None else f'{mal:.2f}':>12} {str(same):>11}")
         hf_best = [k for k in fns if isinstance(k, str) and k.startswith("hf")]
         ours = [k for k in fns if isinstance(k, int) and k]
         if ours:
@@ -170,8 +202,27 @@ def main():
             if hf_best:
                 hb = min(hf_best, key=lambda k: statistics.median(times[k]))
                 line += f", {ratio(times, best, hb):.2f}x transformers' best assisted (k={hb[2:]})"
+            if lc:
+                lb = min(stats, key=lambda k: statistics.median(times[k]))
+                line += (f", {ratio(times, best, lb):.2f}x llama.cpp's best ({lb}); mtpkit without "
+                         f"drafts {ratio(times, 0, lb):.2f}x")
             print(line)
     print(f"\nall greedy outputs identical: {all_same}")
+    for d in llamacpp.values():
+        d.close()
+
+
+def llamacpp_drivers(workdir: Path, model: str, threads: int, num_drafts: int) -> dict:
+    """llama.cpp plain and MTP drivers for `model`, or none (saying how to build them)."""
+    why = llamacpp_client.missing(workdir, model)
+    if why:
+        print(f"no llama.cpp baseline: {why}")
+        return {}
+    files = llamacpp_client.model_files(workdir, model)
+    driver = llamacpp_client.driver_path(workdir)
+    return {"llama.cpp": llamacpp_client.LlamaCppDriver(driver, *files, mode="plain", threads=threads),
+            "llama.cpp mtp": llamacpp_client.LlamaCppDriver(driver, *files, mode="mtp", threads=threads,
+                                                            num_drafts=num_drafts)}
 
 
 if __name__ == "__main__":

@@ -47,6 +47,12 @@ def client(server):
     return openai.OpenAI(base_url=server[1] + "/v1", api_key=KEY, max_retries=0)
 
 
+def served(llm, **kw) -> SamplingParams:
+    """What the server runs for a request giving `kw`: the checkpoint's generation_config.json
+    defaults (the embedded models' frequency penalty) under the request's fields, as vLLM does."""
+    return SamplingParams(**{**llm.generation_defaults.sampling, **kw})
+
+
 def whole(llm) -> bool:
     return (not llm.scheduler.running and not llm.scheduler.waiting and llm.slots.num_free == llm.slots.capacity
             and llm.kv_pools.num_free == llm.kv_pools.capacity)
@@ -54,7 +60,7 @@ def whole(llm) -> bool:
 
 def test_completions_chat_and_streams_give_the_engine_tokens(server, client):
     llm = server[0]
-    greedy, seeded = SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.8, seed=11)
+    greedy, seeded = served(llm, max_tokens=8), served(llm, max_tokens=8, temperature=0.8, seed=11)
     [g], [s] = llm.generate("def f(", greedy), llm.generate("def f(", seeded)
     r = client.completions.create(model=NAME, prompt="def f(", max_tokens=8, temperature=0, logprobs=2)
     assert r.choices[0].text == g.text and r.usage.completion_tokens == 8 and r.usage.prompt_tokens == 6
@@ -73,7 +79,7 @@ def test_completions_chat_and_streams_give_the_engine_tokens(server, client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"] * 2
     # chat: the embedded template, stop strings, logprobs
     conv = [{"role": "user", "content": "write a stack"}]
-    [want] = llm.chat(conv, SamplingParams(max_tokens=12, stop=["\n"]))
+    [want] = llm.chat(conv, served(llm, max_tokens=12, stop=["\n"]))
     r = client.chat.completions.create(model=NAME, messages=conv, max_tokens=12, temperature=0, stop="\n",
                                        logprobs=True, top_logprobs=3)
     assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == want.finish_reason
@@ -91,7 +97,7 @@ def test_n_choices_are_the_engines_samples(server, client):
     """n > 1 (SamplingParams.n): choice i of prompt p is sample i (seed + i), streamed or not;
     greedy n > 1 is a 400 naming the fix."""
     llm = server[0]
-    want = llm.generate(["def f(", "class A:"], SamplingParams(max_tokens=6, temperature=0.9, seed=5, n=3))
+    want = llm.generate(["def f(", "class A:"], served(llm, max_tokens=6, temperature=0.9, seed=5, n=3))
     texts = [c.text for o in want for c in o.outputs]
     assert len(set(texts)) > 1   # the samples differ, so a mix-up cannot pass
     r = client.completions.create(model=NAME, prompt=["def f(", "class A:"], max_tokens=6, temperature=0.9, seed=5,
@@ -102,7 +108,7 @@ def test_n_choices_are_the_engines_samples(server, client):
     assert ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
             for i in range(6)] == texts
     conv = [{"role": "user", "content": "write a stack"}]
-    [chat] = llm.chat(conv, SamplingParams(max_tokens=6, temperature=0.9, seed=5, n=2))
+    [chat] = llm.chat(conv, served(llm, max_tokens=6, temperature=0.9, seed=5, n=2))
     r = client.chat.completions.create(model=NAME, messages=conv, max_tokens=6, temperature=0.9, seed=5, n=2)
     assert [c.message.content for c in r.choices] == [c.text for c in chat.outputs]
     with pytest.raises(openai.BadRequestError, match="temperature"):
@@ -150,7 +156,7 @@ def test_bad_requests_are_clear_4xx_errors_and_the_server_stays_up(server):
 def test_32_streaming_clients_one_leaving_midway(server, monkeypatch):
     llm, base = server
     prompts = [f"{w} {i}" for i, w in enumerate(["def", "class", "import", "for"] * 8)]
-    want = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=8))]
+    want = [o.text for o in llm.generate(prompts, served(llm, max_tokens=8))]
     aborted = []
     real_abort = llm.engine.abort
 
