@@ -116,6 +116,41 @@ def test_n_choices_are_the_engines_samples(server, client):
     assert whole(llm)
 
 
+def test_structured_outputs_by_response_format_and_vllms_field(server, client):
+    """response_format json_schema / json_object (OpenAI) and structured_outputs (vLLM): the
+    engine's constrained tokens, valid; a spec that cannot compile is a 400 naming it."""
+    import json
+
+    import jsonschema
+
+    from mtpkit import StructuredOutputs
+    llm = server[0]
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    conv = [{"role": "user", "content": "a person"}]
+    [want] = llm.chat(conv, served(llm, max_tokens=150, structured_outputs=StructuredOutputs(json=schema)))
+    r = client.chat.completions.create(model=NAME, messages=conv, max_tokens=150, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}})
+    assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(want.text), schema)
+    [want] = llm.chat(conv, served(llm, max_tokens=20, structured_outputs=StructuredOutputs(json_object=True)))
+    r = client.chat.completions.create(model=NAME, messages=conv, max_tokens=20, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].message.content == want.text and want.text.startswith("{")
+    r = client.completions.create(model=NAME, prompt="answer: ", max_tokens=10, temperature=0,
+                                  extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}})
+    assert r.choices[0].text in ("yes", "no", "maybe")
+    with pytest.raises(openai.BadRequestError, match="regex"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=5, extra_body={"structured_outputs":
+                                                                                   {"regex": "(unclosed"}})
+    with pytest.raises(openai.BadRequestError, match="not both"):
+        client.chat.completions.create(model=NAME, messages=conv, max_tokens=5, response_format={"type": "json_object"},
+                                       extra_body={"structured_outputs": {"choice": ["a"]}})
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model=NAME, messages=conv, max_tokens=5, response_format={"type": "yaml"})
+    assert whole(llm)
+
+
 def test_bad_requests_are_clear_4xx_errors_and_the_server_stays_up(server):
     llm, base = server
     auth = {"Authorization": f"Bearer {KEY}"}

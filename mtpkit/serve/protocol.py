@@ -3,7 +3,8 @@ API's shapes (completions, chat completions, their streaming chunks, logprobs, e
 
 A field mtpkit has no control for is refused with a 400 naming it, unless it is at its default:
 nothing is silently ignored. Fields that SamplingParams gains under the same name (vLLM's and
-OpenAI's: n, min_p, penalties, logit_bias, ...) pass through once it has them (`PASS_THROUGH`).
+OpenAI's: n, min_p, penalties, logit_bias, ...) pass through (`PASS_THROUGH`); structured outputs come
+from `response_format` or vLLM's `structured_outputs`.
 """
 
 import dataclasses
@@ -12,6 +13,7 @@ import uuid
 
 from mtpkit.errors import InputError
 from mtpkit.sampling.params import SamplingParams
+from mtpkit.sampling.structured_outputs import KINDS, StructuredOutputs
 
 # OpenAI / vLLM request fields read as the SamplingParams field of the same name, when it has one.
 PASS_THROUGH = ("n", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -19,7 +21,7 @@ PASS_THROUGH = ("n", "top_k", "min_p", "presence_penalty", "frequency_penalty", 
 # Fields mtpkit cannot honour: refused unless at the value that means "off".
 UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
                "tool_choice": (None, "none"), "functions": (None,), "function_call": (None,),
-               "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "n": (None, 1),
+               "logit_bias": (None, {}), "n": (None, 1),
                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0)}
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -40,6 +42,36 @@ def _stop_list(stop) -> list:
     if stop is None:
         return []
     return [stop] if isinstance(stop, str) else stop
+
+
+def structured_outputs(body: dict) -> StructuredOutputs | None:
+    """OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema",
+    "json_schema": {"schema": ...}}; "text" is none) or vLLM's `structured_outputs` object
+    (one of json, json_object, regex, grammar, choice; disable_any_whitespace), not both. The
+    spec itself is compiled when the request is queued (a bad one is a 400 from its InputError)."""
+    fmt, so = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and so is not None:
+        raise APIError(400, "give response_format or structured_outputs, not both", param="response_format")
+    if so is not None:
+        if not isinstance(so, dict) or set(so) - {*KINDS, "disable_any_whitespace"}:
+            raise APIError(400, f"structured_outputs must be an object with one of {', '.join(KINDS)} (and "
+                                "optionally disable_any_whitespace)", param="structured_outputs")
+        return StructuredOutputs(**so)
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise APIError(400, 'response_format {"type": "json_schema"} needs "json_schema": {"name": ..., '
+                                '"schema": {...}}', param="response_format")
+        return StructuredOutputs(json=spec["schema"])
+    raise APIError(400, f"response_format={fmt!r}: type must be text, json_object or json_schema",
+                   param="response_format")
 
 
 def sampling_params(body: dict, defaults: dict, *, max_tokens_default: int | None, chat: bool) -> SamplingParams:
@@ -77,6 +109,9 @@ def sampling_params(body: dict, defaults: dict, *, max_tokens_default: int | Non
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     elif body.get("logprobs") is not None:
         kw["logprobs"] = body["logprobs"]
+    so = structured_outputs(body)
+    if so is not None:
+        kw["structured_outputs"] = so
     try:
         params = SamplingParams(**kw)
     except TypeError as e:
