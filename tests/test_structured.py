@@ -30,6 +30,7 @@ from mtpkit import LLM, InputError, SamplingParams, StructuredOutputs
 from mtpkit.checkpoint.hub import resolve_model
 from mtpkit.sampling.bitmask import allowed_tokens, apply_token_bitmask_
 from mtpkit.structured.compiler import GrammarCompiler
+from mtpkit.structured.matcher import allowed
 from mtpkit.structured.tokenizer_view import grammar_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,6 +196,12 @@ def test_bundle_masks_equal_the_matcher_fed_token_by_token(compiler, kind, choic
     out = torch.full((k + 1, 9), -1, dtype=torch.int32)
     rewritten = list(drafts)
     limit = g.bundle_masks(rewritten, k, out, drafting)
+    # the split (cheap plan before the step, masks in the worker) gives what the masks-first
+    # walk gives: the same limit, rewritten drafts and rows
+    ref_g, ref_out, ref_drafts = compiler.request_grammar(spec), torch.full_like(out, -1), list(drafts)
+    assert ref_g.sync(prefix) is None
+    assert (limit, rewritten) == (_masks_first(ref_g, ref_drafts, k, ref_out, drafting), ref_drafts)
+    assert torch.equal(out, ref_out)
     # position j's mask is the state after the (possibly rewritten) drafts 0..j-1, fed one by one
     for j in range(limit + 1):
         if j and rewritten[j - 1] == 256:
@@ -218,6 +225,30 @@ def test_bundle_masks_equal_the_matcher_fed_token_by_token(compiler, kind, choic
     emitted = prefix + rewritten[:a] + bonus
     assert g.sync(emitted) is None
     assert torch.equal(_mask_now(g), _fresh_mask(compiler, spec, emitted))
+
+
+def _masks_first(g, drafts: list[int], limit: int, out: torch.Tensor, drafting: bool) -> int:
+    """The walk before the split: each position's full mask first, drafts checked against it."""
+    consumed = 0
+    try:
+        for j in range(limit + 1):
+            g.fill_mask(out[j])
+            if j == limit:
+                break
+            if not allowed(out[j], drafts[j]):
+                forced = g.forced_token() if drafting else None
+                if forced is None or not allowed(out[j], forced):
+                    return j
+                drafts[j] = forced
+            if drafts[j] in g.eos_token_ids:
+                return j + 1
+            if not g.matcher.consume_token(drafts[j]):
+                return j
+            consumed += 1
+        return limit
+    finally:
+        if consumed:
+            g.matcher.rollback(consumed)
 
 
 def _mask_now(g) -> torch.Tensor:

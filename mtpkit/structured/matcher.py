@@ -5,15 +5,20 @@ up to the outputs at the start of every step that samples for the request, so it
 was really emitted whatever happened in between (a stop that cut a bundle, a preemption and
 recompute, which keeps the outputs, a step interrupted before its results were applied).
 
-`bundle_masks` is the verify step's host work: the mask at bundle position j is the state after
-drafts 0..j-1, so it consumes the drafts one by one, writing each position's mask, and rolls
-all of them back; the emitted ones (accepted drafts + the target's token) are consumed at the
-next sync. It stops at the first draft the grammar forbids: that draft's mask forbids it, so it
-is rejected whatever the target's logits, and no later draft can be accepted; the draft limit is
-capped there (the same outcome, no masks to compute past it). Constrained drafting replaces such
-a draft by the token the grammar forces there (llguidance's fast-forward tokens; eos once the
-structure is complete), when there is one, instead of stopping: any draft is lossless (it only
-decides how many of the target's own tokens a step emits), and a forced one is accepted.
+A verify step's host work is split in two (step_masks.py overlaps the second with the forward).
+`plan_bundle`, before the step (it decides the step's inputs): walks the drafts with cheap checks
+(`validate_tokens`, `consume_token`, fast-forward tokens; no mask) and rolls them back. It stops
+at the first draft the grammar forbids: that draft's mask forbids it, so it is rejected whatever
+the target's logits, and no later draft can be accepted; the draft limit is capped there (the
+same outcome, no masks to compute past it). Constrained drafting replaces such a draft by the
+token the grammar forces there (llguidance's fast-forward tokens; eos once the structure is
+complete), when there is one, instead of stopping: any draft is lossless (it only decides how
+many of the target's own tokens a step emits), and a forced one is accepted.
+`fill_bundle_masks`, while the verify forward runs (a worker thread: llguidance's mask
+computation drops the GIL): the mask at bundle position j is the state after drafts 0..j-1, so
+it consumes the (rewritten) drafts one by one up to the planned limit, writing each position's
+mask, and rolls all of them back; the emitted ones (accepted drafts + the target's token) are
+consumed at the next sync. `bundle_masks` is the two in a row.
 """
 
 import llguidance
@@ -54,20 +59,21 @@ class RequestGrammar:
             return self.eos_token_ids[0]
         return None
 
-    def bundle_masks(self, drafts: list[int], limit: int, out: torch.Tensor, constrained_drafting: bool
-                     ) -> int:
-        """Masks of bundle positions 0..limit into out [bundle, vocab_words] (host int32, rows past
-        the returned limit untouched); `drafts` may be rewritten in place (constrained drafting).
-        Returns the draft limit, capped at the first draft the grammar forbids."""
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows `token` next (the bit its mask would have; no mask computed)."""
+        if token in self.eos_token_ids:    # validate_tokens refuses eos once the grammar stopped; the mask allows it
+            return self.matcher.is_accepting()
+        return 0 <= token < 32 * self.vocab_words and self.matcher.validate_tokens([token]) == 1
+
+    def plan_bundle(self, drafts: list[int], limit: int, constrained_drafting: bool) -> int:
+        """The draft limit, capped at the first draft the grammar forbids; `drafts` may be
+        rewritten in place (constrained drafting). Leaves the matcher as it found it."""
         consumed = 0
         try:
-            for j in range(limit + 1):
-                self.fill_mask(out[j])
-                if j == limit:
-                    break
-                if not allowed(out[j], drafts[j]):
+            for j in range(limit):
+                if not self.allows(drafts[j]):
                     forced = self.forced_token() if constrained_drafting else None
-                    if forced is None or not allowed(out[j], forced):
+                    if forced is None or not self.allows(forced):
                         return j
                     drafts[j] = forced
                 if drafts[j] in self.eos_token_ids:
@@ -81,6 +87,29 @@ class RequestGrammar:
         finally:
             if consumed:
                 self.matcher.rollback(consumed)
+
+    def fill_bundle_masks(self, drafts: list[int], limit: int, out: torch.Tensor) -> None:
+        """Masks of bundle positions 0..limit (plan_bundle's drafts and limit) into out [bundle,
+        vocab_words] (host int32; rows past the limit, and after an eos draft, untouched: never emitted)."""
+        consumed = 0
+        try:
+            for j in range(limit + 1):
+                self.fill_mask(out[j])
+                if j == limit or drafts[j] in self.eos_token_ids:
+                    return
+                if not self.matcher.consume_token(drafts[j]):   # never: plan_bundle consumed it
+                    return
+                consumed += 1
+        finally:
+            if consumed:
+                self.matcher.rollback(consumed)
+
+    def bundle_masks(self, drafts: list[int], limit: int, out: torch.Tensor, constrained_drafting: bool
+                     ) -> int:
+        """plan_bundle then fill_bundle_masks, in a row: the capped draft limit."""
+        limit = self.plan_bundle(drafts, limit, constrained_drafting)
+        self.fill_bundle_masks(drafts, limit, out)
+        return limit
 
 
 def allowed(mask_row: torch.Tensor, token: int) -> bool:
