@@ -109,6 +109,7 @@ class Engine:
             if torch.get_num_threads() == set_to:
                 torch.set_num_threads(before)
             self.threads_changed = None
+        self.runner.structured.close()   # the grammar masks' worker thread
         del self.runner, self.cache
 
     def _assemble(self, cache: CacheTensors, sizes: PoolSizes) -> None:
@@ -128,6 +129,7 @@ class Engine:
         """Caches at new sizes (the CUDA profile run's plan). The old caches, and the runner
         whose graphs hold them, are dropped and `free` runs (torch.cuda.empty_cache) before the
         new ones are allocated, so both never take memory at once."""
+        self.runner.structured.close()
         del self.cache, self.runner
         free()
         cache = allocate_cache(self.cache_spec, num_blocks=sizes.kv, num_slots=sizes.state_slots or 0,

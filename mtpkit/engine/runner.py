@@ -168,26 +168,33 @@ class ModelRunner:
         reqs, R, B, k = plan.reqs, plan.num_reqs, plan.bundle, plan.bundle - 1
         n = plan.num_reqs_padded
         limit_list = [min(k, max(r.remaining(self.cfg.max_model_len) - 1, 0)) for r in reqs]
-        # Structured outputs: bundle position j masked with the grammar after drafts 0..j-1 (host,
-        # before the step: constrained drafting may rewrite drafts); limits capped at a forbidden draft.
-        masks = self.structured.verify(reqs, limit_list, B)
+        # Structured outputs: the drafts checked against the grammar on the host before the step
+        # (constrained drafting may rewrite them; limits capped at a forbidden draft), then bundle
+        # position j's mask (the grammar after drafts 0..j-1) filled by a worker during the forward.
+        pending = self.structured.verify(reqs, limit_list, B)
         rows = [UniformRow([r.all_token_ids[-1]] + r.drafts, r.num_computed, [t.ids for t in r.block_tables],
                            r.state_slots, r.prev_num_emitted) for r in reqs]
         meta = None
-        if self.graphs is not None:
-            hidden, logits, positions, token_ids = self.graphs.verify(rows, n)
-        else:  # the body CapturedSteps captures, on this step's own tensors
-            token_ids, positions, meta = build_uniform(rows, n, self.cfg.block_size, self.cfg.max_blocks,
-                                                       self.device)
-            step = verify_inputs(token_ids, positions, meta)
-            hidden, logits = self.bodies.verify(meta.max_seq_len, *step, self.cache)
-        logits = logits.view(n, B, -1)[:R]
-        drafts = token_ids.view(n, B)[:R, 1:]                                 # [R, k]: d_1..d_k
-        limit = torch.tensor(limit_list, dtype=torch.int64, device=self.device)
-        sampling = self._sampling([r.params for r in reqs])
-        # Bundle index j samples the token at position num_computed + 1 + j.
-        # The generation controls at every bundle position (drafts before it count as generated).
-        processed = controlled_logits(logits, drafts, reqs)
+        try:
+            if self.graphs is not None:
+                hidden, logits, positions, token_ids = self.graphs.verify(rows, n)
+            else:  # the body CapturedSteps captures, on this step's own tensors
+                token_ids, positions, meta = build_uniform(rows, n, self.cfg.block_size, self.cfg.max_blocks,
+                                                           self.device)
+                step = verify_inputs(token_ids, positions, meta)
+                hidden, logits = self.bodies.verify(meta.max_seq_len, *step, self.cache)
+            logits = logits.view(n, B, -1)[:R]
+            drafts = token_ids.view(n, B)[:R, 1:]                             # [R, k]: d_1..d_k
+            limit = torch.tensor(limit_list, dtype=torch.int64, device=self.device)
+            sampling = self._sampling([r.params for r in reqs])
+            # Bundle index j samples the token at position num_computed + 1 + j.
+            # The generation controls at every bundle position (drafts before it count as generated).
+            processed = controlled_logits(logits, drafts, reqs)
+            masks = None if pending is None else pending.join()   # the worker's masks, to the device
+        except BaseException:
+            if pending is not None:   # nothing else touches the matchers while the worker does
+                pending.settle()
+            raise
         if masks is not None:   # after the controls, in place, the constrained rows only
             processed = masks.apply(processed, reqs, keep_raw=processed is logits)
         tokens, num_emitted = rejection_sample(processed, drafts, limit, sampling, [r.seed for r in reqs],

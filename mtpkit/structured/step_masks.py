@@ -1,19 +1,30 @@
 """The masks of one step, for the requests that have a grammar (Request.grammar).
 
-`StructuredMasks.verify` runs on the host before the verify step is launched (constrained
-drafting may rewrite the drafts it feeds): per constrained request, the masks of bundle
-positions 0..limit (matcher.RequestGrammar.bundle_masks), into one host tensor
-[num_constrained, bundle, vocab_words] copied to the device once; `StepMasks.apply` masks the
-logits there, in place and on the constrained rows only (sampling/bitmask.py), before rejection
-sampling and after the generation controls (sampling/controls.py), so a control never lifts
-a token the grammar forbids. `prefill` does the same for the
-first token sampled after a prompt (bundle 1). A step without constrained requests gets None
-and costs one list scan. `host_seconds` and `steps` add up the time spent here and the steps
-that had constrained rows (benchmarks/structured_json.py reads them).
+`StructuredMasks.verify` splits a verify step's host work in two. Before the step is launched,
+only what decides its inputs: per constrained request, sync the matcher and walk the drafts with
+cheap checks (matcher.RequestGrammar.plan_bundle: constrained drafting may rewrite them, the draft
+limits are capped). Then the full masks of bundle positions 0..limit (fill_bundle_masks) are
+computed by one worker thread (llguidance drops the GIL while it computes a mask) WHILE the verify
+forward runs, into one host tensor [num_constrained, bundle, vocab_words]; `PendingMasks.join`,
+after the generation controls and before rejection sampling, waits for it and copies it to the
+device once. Only the worker touches the matchers in that window, and the runner joins before
+anything else does (an exception in the forward included). A request whose mask fill raises ends
+with that error (its row stays unmasked); the other requests go on. `overlap = False` runs the
+fill on the calling thread before the step instead (the A/B of benchmarks/structured_json.py).
+`StepMasks.apply` masks the logits on the device, in place and on the constrained rows only
+(sampling/bitmask.py), after the generation controls (sampling/controls.py), so a control never
+lifts a token the grammar forbids. `prefill` computes the first token sampled after a prompt's
+mask (bundle 1) on the calling thread, before its logits are sampled. A step without constrained
+requests gets None and costs one list scan. `host_seconds` and `steps` add up the time the
+calling thread spends here (the plan, the wait at the join, the copy) and the steps that had
+constrained rows; `worker_seconds` the mask fills' time, on whichever thread ran them
+(benchmarks/structured_json.py reads them).
 """
 
+import contextlib
 import dataclasses
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -51,20 +62,54 @@ class StepMasks:
         return out
 
 
+class PendingMasks:
+    """A verify step's masks being filled (by the worker, or already by the calling thread)."""
+
+    def __init__(self, owner: "StructuredMasks", host: torch.Tensor, rows: list[int], errors: dict,
+                 job: Future | None):
+        self.owner, self.host, self.rows, self.errors, self.job = owner, host, rows, errors, job
+
+    def wait(self) -> None:
+        """Until the worker is done with the matchers (a fill's exception is the step's: raised here)."""
+        if self.job is not None:
+            t0 = time.perf_counter()
+            try:
+                self.job.result()
+            finally:
+                self.job = None
+                self.owner.host_seconds += time.perf_counter() - t0
+
+    def settle(self) -> None:
+        """Until the worker is done, its exception dropped (the step already failed otherwise)."""
+        with contextlib.suppress(Exception):
+            self.wait()
+
+    def join(self) -> StepMasks:
+        self.wait()
+        t0 = time.perf_counter()
+        masks = self.owner._to_device(self.host, self.rows, self.errors)
+        self.owner.host_seconds += time.perf_counter() - t0
+        return masks
+
+
 class StructuredMasks:
     def __init__(self, device: torch.device):
         self.device = device
         self.constrained_drafting = True   # replace forbidden drafts by forced tokens (benchmarks turn it off)
+        self.overlap = True                # verify masks filled by the worker during the forward
         self.host_seconds, self.steps = 0.0, 0   # time spent here, over steps with constrained rows
+        self.worker_seconds = 0.0
+        self._worker: ThreadPoolExecutor | None = None   # one thread, made on first use, reused
 
-    def verify(self, reqs: list, limits: list[int], bundle: int) -> StepMasks | None:
-        """Masks of a verify step; caps `limits` in place and may rewrite each r.drafts."""
+    def verify(self, reqs: list, limits: list[int], bundle: int) -> PendingMasks | None:
+        """Plans a verify step's constrained rows (caps `limits` in place, may rewrite each
+        r.drafts) and starts their masks' fill; the caller joins the result after the forward."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
             return None
         t0 = time.perf_counter()
         host = self._host(reqs[rows[0]].grammar.vocab_words, len(rows), bundle)
-        errors = {}
+        errors, work = {}, []
         for c, i in enumerate(rows):
             r = reqs[i]
             err = r.grammar.sync(r.output_token_ids)
@@ -72,11 +117,39 @@ class StructuredMasks:
                 errors[i] = err
                 continue
             r.drafts = list(r.drafts)
-            limits[i] = r.grammar.bundle_masks(r.drafts, limits[i], host[c], self.constrained_drafting)
-        masks = self._to_device(host, rows, errors)
+            limits[i] = r.grammar.plan_bundle(r.drafts, limits[i], self.constrained_drafting)
+            work.append((i, r.grammar, r.drafts, limits[i], host[c]))
+        job = None
+        if work and self.overlap:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtpkit-masks")
+            job = self._worker.submit(self._fill, work, errors)
+        elif work:
+            self._fill(work, errors)
         self.host_seconds += time.perf_counter() - t0
         self.steps += 1
-        return masks
+        return PendingMasks(self, host, rows, errors, job)
+
+    # the host tensor is an inference tensor: writing it needs the mode, which is per thread
+    @torch.inference_mode()
+    def _fill(self, work: list, errors: dict) -> None:
+        """The masks of the planned rows (the worker's job). A row whose fill raises gets that
+        error (its grammar rolled back by fill_bundle_masks, its row unmasked)."""
+        t0 = time.perf_counter()
+        try:
+            for i, grammar, drafts, limit, out in work:
+                try:
+                    grammar.fill_bundle_masks(drafts, limit, out)
+                except Exception as e:  # noqa: BLE001 - that request's failure (any), not the step's
+                    out.fill_(-1)
+                    errors[i] = f"computing the grammar's masks failed ({type(e).__name__}: {e})"
+        finally:
+            self.worker_seconds += time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
 
     def prefill(self, reqs: list) -> StepMasks | None:
         """Masks of the first token sampled after each finished prompt (bundle 1)."""
@@ -92,7 +165,9 @@ class StructuredMasks:
             if err is not None:
                 errors[i] = err
                 continue
+            t1 = time.perf_counter()
             r.grammar.fill_mask(host[c, 0])
+            self.worker_seconds += time.perf_counter() - t1
         masks = self._to_device(host, rows, errors)
         self.host_seconds += time.perf_counter() - t0
         self.steps += 1
