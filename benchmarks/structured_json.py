@@ -1,11 +1,13 @@
 """JSON generation under a schema with the embedded models: num_spec 0 vs 3, constrained
-drafting on vs off, in one process.
+drafting on vs off, the verify masks filled during the forward (overlap, the default) vs before
+it on the calling thread, in one process.
 
 Prints, per model and setting: tokens/s (the faster of two runs after a warm-up run of the
 same call, CPU graphs traced on first use) and its ratio
-to num_spec=0, the mean acceptance length and acceptance rate, and the host time per step spent
-on the grammar's masks (matcher work, mask writes, the bitmask's copy), in ms and as a share of
-the step. Every constrained output is checked to be valid JSON under the schema, and every
+to num_spec=0, the mean acceptance length and acceptance rate, the calling thread's time per
+step spent on the grammar (the drafts' checks, the wait for the masks, the bitmask's copy; with
+the overlap off also the mask fill), in ms and as a share of the step, and the mask fills' own
+time per step (on the worker during the forward when the overlap is on). Every constrained output is checked to be valid JSON under the schema, and every
 setting's tokens to equal num_spec=0's (speculation never changes what is generated).
 
     python benchmarks/structured_json.py
@@ -33,11 +35,11 @@ PROMPTS = ["The record:", "User profile as JSON:", "def to_json(self):", "Output
 def run(llm: LLM, prompts, params):
     llm.stats = SpecStats(num_spec=llm.engine_config.num_spec)
     masks = llm.runner.structured
-    masks.host_seconds, masks.steps = 0.0, 0
+    masks.host_seconds, masks.steps, masks.worker_seconds = 0.0, 0, 0.0
     t = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t
-    return outs, elapsed, masks.host_seconds, masks.steps, llm.stats
+    return outs, elapsed, masks.host_seconds, masks.steps, llm.stats, masks.worker_seconds
 
 
 def main(argv=None) -> int:
@@ -52,17 +54,18 @@ def main(argv=None) -> int:
     for name in args.model or ["tiny-qwen3-next", "tiny-gemma4"]:
         print(f"== {name}: batch {args.batch}, max_tokens {args.max_tokens}, greedy, schema of "
               f"{len(SCHEMA['properties'])} fields")
-        print(f"{'setting':<30} {'tok/s':>8} {'ratio':>6} {'accept len':>10} {'accept rate':>11} "
-              f"{'mask ms/step':>12} {'mask share':>10}")
+        print(f"{'setting':<40} {'tok/s':>8} {'ratio':>6} {'accept len':>10} {'accept rate':>11} "
+              f"{'host ms/step':>12} {'host share':>10} {'fill ms/step':>12}")
         base_tokens, base_rate = None, None
-        for num_spec, drafting in ((0, True), (3, False), (3, True)):
+        for num_spec, drafting, overlap in ((0, True, True), (3, False, True), (3, True, False), (3, True, True)):
             llm = LLM(name, num_spec=num_spec)
             llm.runner.structured.constrained_drafting = drafting
+            llm.runner.structured.overlap = overlap
             if llm.runner.graphs is not None:
                 llm.runner.graphs.trace_after = 0      # long-lived engine: CPU graphs traced on first use
             run(llm, prompts, params)                  # warm-up: the same generations trace every shape
             # the faster of two timed runs (the machine may be shared)
-            outs, elapsed, host, steps, stats = min((run(llm, prompts, params) for _ in range(2)),
+            outs, elapsed, host, steps, stats, fill = min((run(llm, prompts, params) for _ in range(2)),
                                                     key=lambda r: r[1])
             for o in outs:
                 if o.finish_reason == "stop":
@@ -75,10 +78,10 @@ def main(argv=None) -> int:
             rate = n / elapsed
             base_rate = base_rate or rate
             label = "num_spec=0" if not num_spec else \
-                f"num_spec={num_spec}, constrained drafting {'on' if drafting else 'off'}"
-            print(f"{label:<30} {rate:8.1f} {rate / base_rate:6.2f} {stats.mean_acceptance_length:10.2f} "
+                f"num_spec={num_spec}, drafting {'on' if drafting else 'off'}, overlap {'on' if overlap else 'off'}"
+            print(f"{label:<40} {rate:8.1f} {rate / base_rate:6.2f} {stats.mean_acceptance_length:10.2f} "
                   f"{stats.acceptance_rate:11.2f} {1e3 * host / max(steps, 1):12.3f} "
-                  f"{host / elapsed:10.1%}")
+                  f"{host / elapsed:10.1%} {1e3 * fill / max(steps, 1):12.3f}")
             # Closed before the next is built: an LLM closed after another was built gives the
             # process back its thread count, under the next one (which then runs on 2+ threads).
             llm.close()
