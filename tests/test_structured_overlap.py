@@ -79,7 +79,7 @@ def test_the_masks_fill_during_the_forward(llm, reference, monkeypatch):
     monkeypatch.setattr(PendingMasks, "join", watched_join)
     outs = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in outs] == reference          # the overlap changes no token
-    first = [e for e in events if e[0] == "fill"][0]
+    first = next(e for e in events if e[0] == "fill")
     assert not first[1] and first[2]["forward_started"]       # the worker's, while the forward ran
     starts = [e for e in events if e[0] == "forward start"]
     assert starts[0][2]["fill_started"]                        # submitted before the forward
