@@ -97,8 +97,8 @@ class StructuredMasks:
         self.device = device
         self.constrained_drafting = True   # replace forbidden drafts by forced tokens (benchmarks turn it off)
         self.overlap = True                # verify masks filled by the worker during the forward
-        self.host_seconds, self.steps = 0.0, 0   # time spent here, over steps with constrained rows
-        self.worker_seconds = 0.0
+        self.host_seconds, self.steps = 0.0, 0   # the calling thread's time here, steps with constrained rows
+        self.worker_seconds = 0.0          # the mask fills' time, on whichever thread ran them
         self._worker: ThreadPoolExecutor | None = None   # one thread, made on first use, reused
 
     def verify(self, reqs: list, limits: list[int], bundle: int) -> PendingMasks | None:
