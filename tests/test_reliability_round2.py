@@ -172,4 +172,21 @@ def test_thread_count_given_back_on_close_with_and_collection():
     llm.close()
     assert torch.get_num_threads() == 3
     torch.set_num_threads(2)
+    # Two engines at once: the count is process-wide, so closing the first keeps the second's
+    # 1 thread (not the 2 from before the first); closing the last gives the 2 back.
+    first, second = LLM("tiny-qwen3-next"), LLM("tiny-qwen3-next")
+    first.close()
+    assert torch.get_num_threads() == 1
+    second.generate("x", SamplingParams(max_tokens=2))
+    assert torch.get_num_threads() == 1
+    second.close()
+    assert torch.get_num_threads() == 2
+    # an engine asking for a count of its own, opened and closed while another holds 1
+    first = LLM("tiny-qwen3-next")
+    other = LLM("tiny-qwen3-next", num_threads=2)
+    assert torch.get_num_threads() == 2
+    other.close()
+    assert torch.get_num_threads() == 1
+    first.close()
+    assert torch.get_num_threads() == 2
     assert mtpkit.LLM is LLM

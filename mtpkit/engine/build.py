@@ -19,7 +19,7 @@ import torch
 from mtpkit.checkpoint.hub import resolve_model
 from mtpkit.checkpoint.loader import checkpoint_fp8
 from mtpkit.config import EngineConfig, resolve_device, resolve_dtype
-from mtpkit.engine import memory_plan
+from mtpkit.engine import cpu_threads, memory_plan
 from mtpkit.engine.args import EngineArgs, check_args, check_load_format
 from mtpkit.engine.engine import Engine
 from mtpkit.engine.pool_sizing import PoolSizes, check_pools_fit, kv_pool_sizes, plan_memory, size_pools
@@ -92,7 +92,7 @@ def build_engine(ckpt: Checkpoint, args: EngineArgs) -> Engine:
                     device=device, dtype=dtype, engine_config=ecfg, cache_spec=spec, capture_plan=capture_plan, cache=cache,
                     pool_sizes=sizes, memory_plan=plan, enforce_eager=a.enforce_eager,
                     recycle_sliding_kv=a.recycle_sliding_kv, seed=a.seed)
-    engine.threads_changed = set_cpu_threads(model, device, a.num_threads)
+    engine.threads_held = set_cpu_threads(model, device, a.num_threads)
     if plan is not None:
         if device.type == "cuda":  # activations measured, then the pools at their planned sizes
             resize_to_measured(engine, budget, meta)
@@ -158,20 +158,17 @@ def load_weights(ckpt: Checkpoint, draft: DraftSetup | None, a: EngineArgs, tp: 
     return model, drafter, cache
 
 
-def set_cpu_threads(model: torch.nn.Module, device: torch.device, num_threads: int | None) -> tuple[int, int] | None:
+def set_cpu_threads(model: torch.nn.Module, device: torch.device, num_threads: int | None) -> object | None:
     """torch's intra-op threads on CPU: `num_threads`, else 1 for models under 50M parameters
     (their ops are too small to gain from threads, and they slow down many times over when
-    another process holds a core), else torch's default. The setting is process-wide: returns
-    (the count before, the count set) when it changed it, for `Engine.close` to restore."""
+    another process holds a core), else torch's default. The setting is process-wide and held
+    with the other open engines' (engine/cpu_threads.py): returns the hold for `Engine.close`
+    to release, None when this engine sets no count."""
     if device.type != "cpu":
         return None
     params = sum(p.numel() for p in model.parameters())
     threads = num_threads if num_threads is not None else (1 if params < 50_000_000 else None)
-    if threads is not None and threads != torch.get_num_threads():
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        return before, threads
-    return None
+    return None if threads is None else cpu_threads.hold(threads)
 
 
 def resize_to_measured(engine: Engine, budget: tuple[int, str], meta: list[torch.nn.Module]) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from mtpkit.config import EngineConfig
+from mtpkit.engine import cpu_threads
 from mtpkit.engine.allocators import SlotAllocator
 from mtpkit.engine.kv_pools import KVPools
 from mtpkit.engine.loop import track
@@ -81,7 +82,7 @@ class Engine:
         self.enforce_eager, self.recycle_sliding_kv = enforce_eager, recycle_sliding_kv
         self.stats = SpecStats(num_spec=engine_config.num_spec)
         self._ids = itertools.count()
-        self.threads_changed: tuple[int, int] | None = None   # (before, set): build.set_cpu_threads
+        self.threads_held: object | None = None   # this engine's hold on torch's thread count (cpu_threads)
         self.closed = False
         self._lock = threading.RLock()
         self._turn, self._pending = threading.Condition(threading.Lock()), 0   # calls waiting to go before a step
@@ -99,16 +100,15 @@ class Engine:
     @_serialized
     def close(self) -> None:
         """Abort what is queued or running, drop the caches and the captured steps, and give back
-        torch's thread count if this engine changed it and nothing changed it since. Idempotent."""
+        torch's thread count when no other open engine holds one and the user did not change it
+        since (engine/cpu_threads.py). Idempotent."""
         if self.closed:
             return
         self.closed = True
         self.abort(self.scheduler.unfinished())
-        if self.threads_changed is not None:
-            before, set_to = self.threads_changed
-            if torch.get_num_threads() == set_to:
-                torch.set_num_threads(before)
-            self.threads_changed = None
+        if self.threads_held is not None:
+            cpu_threads.release(self.threads_held)
+            self.threads_held = None
         self.runner.structured.close()   # the grammar masks' worker thread
         del self.runner, self.cache
 
