@@ -22,7 +22,10 @@ consumed at the next sync. `bundle_masks` is the two in a row.
 """
 
 import llguidance
-import torch
+
+# Host rows of the bitmask, typed with the shape names; not @checked: these run per token
+# position (and on the mask worker thread), where a check would cost more than the work.
+from mtpkit.shapes import Int, Tensor
 
 
 class RequestGrammar:
@@ -46,7 +49,7 @@ class RequestGrammar:
         err = self.error()
         return None if err is None else f"the grammar refused the output ({err.strip().splitlines()[0]})"
 
-    def fill_mask(self, out: torch.Tensor) -> None:
+    def fill_mask(self, out: Int[Tensor, "vocab_words"]) -> None:
         """The current state's mask into `out` (a contiguous host int32 row of vocab_words)."""
         self.matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
 
@@ -88,7 +91,7 @@ class RequestGrammar:
             if consumed:
                 self.matcher.rollback(consumed)
 
-    def fill_bundle_masks(self, drafts: list[int], limit: int, out: torch.Tensor) -> None:
+    def fill_bundle_masks(self, drafts: list[int], limit: int, out: Int[Tensor, "bundle vocab_words"]) -> None:
         """Masks of bundle positions 0..limit (plan_bundle's drafts and limit) into out [bundle,
         vocab_words] (host int32; rows past the limit, and after an eos draft, untouched: never emitted)."""
         consumed = 0
@@ -104,7 +107,8 @@ class RequestGrammar:
             if consumed:
                 self.matcher.rollback(consumed)
 
-    def bundle_masks(self, drafts: list[int], limit: int, out: torch.Tensor, constrained_drafting: bool
+    def bundle_masks(self, drafts: list[int], limit: int, out: Int[Tensor, "bundle vocab_words"],
+                     constrained_drafting: bool
                      ) -> int:
         """plan_bundle then fill_bundle_masks, in a row: the capped draft limit."""
         limit = self.plan_bundle(drafts, limit, constrained_drafting)
@@ -112,6 +116,6 @@ class RequestGrammar:
         return limit
 
 
-def allowed(mask_row: torch.Tensor, token: int) -> bool:
+def allowed(mask_row: Int[Tensor, "vocab_words"], token: int) -> bool:
     """Whether `token`'s bit is set in a host mask row."""
     return bool((int(mask_row[token >> 5]) >> (token & 31)) & 1)

@@ -52,7 +52,8 @@ class StepMasks:
             self.raw_rows = (keep, logits[keep].clone())
         return apply_token_bitmask_(logits, self.bitmask, self.rows)
 
-    def raw_logits(self, logits: torch.Tensor) -> torch.Tensor:
+    @checked
+    def raw_logits(self, logits: Float[Tensor, "num_reqs bundle vocab"]) -> Float[Tensor, "num_reqs bundle vocab"]:
         """The model's logits for raw logprobs: `logits` with the rows apply() saved put back."""
         if self.raw_rows is None:
             return logits
@@ -65,7 +66,7 @@ class StepMasks:
 class PendingMasks:
     """A verify step's masks being filled (by the worker, or already by the calling thread)."""
 
-    def __init__(self, owner: "StructuredMasks", host: torch.Tensor, rows: list[int], errors: dict,
+    def __init__(self, owner: "StructuredMasks", host: Int[Tensor, "num_constrained bundle vocab_words"], rows: list[int], errors: dict,
                  job: Future | None):
         self.owner, self.host, self.rows, self.errors, self.job = owner, host, rows, errors, job
 
@@ -178,6 +179,8 @@ class StructuredMasks:
         return torch.full((n, bundle, words), -1, dtype=torch.int32,
                           pin_memory=self.device.type == "cuda")
 
-    def _to_device(self, host: torch.Tensor, rows: list[int], errors: dict) -> StepMasks:
+    @checked
+    def _to_device(self, host: Int[Tensor, "num_constrained bundle vocab_words"], rows: list[int], errors: dict
+                   ) -> StepMasks:
         return StepMasks(host.to(self.device, non_blocking=True),
                          torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True), rows, errors)
