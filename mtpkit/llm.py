@@ -291,15 +291,20 @@ class LLM:
             live = {r.req_id: r for r in samples}
             texts = {}   # each sample's CompletionOutput as last built (rebuilt when it changes)
             while live:
-                stepped = self.step()
-                # Requests aborted meanwhile (LLM.abort) are in no step: report them too.
-                aborted = [r for r in live.values() if r.status == Status.FINISHED and r not in stepped]
-                for r in stepped + aborted:
+                # The step this caller ran, or the one another caller was running (Engine.advance).
+                stepped = [r for r in self.engine.advance() if r.req_id in live]
+                # Requests that another step advanced or that were aborted (LLM.abort) since this
+                # caller last looked, and are in no step it saw: report them too.
+                others = [r for r in live.values() if r not in stepped and
+                          (r.status == Status.FINISHED or len(r.output_token_ids) > seen[r.req_id])]
+                for r in stepped + others:
                     if r.req_id not in live:
                         continue
-                    # read before yielding: the caller may abort r meanwhile, which must
-                    # still be reported on the next round
-                    new, finished = r.output_token_ids[seen[r.req_id]:], r.status == Status.FINISHED
+                    # read before yielding: the caller may abort r meanwhile, which must still be
+                    # reported on the next round. The status first: another caller's step may
+                    # run meanwhile, and a request read as finished has all its tokens.
+                    finished = r.status == Status.FINISHED
+                    new = r.output_token_ids[seen[r.req_id]:]
                     if new or finished:
                         start, seen[r.req_id] = seen[r.req_id], len(r.output_token_ids)
                         new_lps = None

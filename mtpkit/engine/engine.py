@@ -86,6 +86,9 @@ class Engine:
         self.closed = False
         self._lock = threading.RLock()
         self._turn, self._pending = threading.Condition(threading.Lock()), 0   # calls waiting to go before a step
+        # Steps under way and ended, for callers that wait for another's step (advance)
+        self._steps = threading.Condition(threading.Lock())
+        self._stepping, self._steps_ended, self._last_advanced = 0, 0, []
         self.step_log = StepLog()   # the last steps' request ids and token counts (engine/step_log.py)
         self._assemble(cache, pool_sizes)
 
@@ -175,9 +178,44 @@ class Engine:
             self.scheduler.add(r)
         return first
 
-    @_steps_wait
     def step(self) -> list[Request]:
         """Run one step; returns the requests it advanced."""
+        with self._steps:
+            self._stepping += 1
+        return self._step_and_tell()
+
+    def advance(self) -> list[Request]:
+        """The requests the next step to end advanced: if another caller is running a step, wait
+        for that step's end (not for the engine's lock, which the caller would take only after
+        the step, and then run a step of its own before reporting anything); else run one here.
+        A streaming caller reports its tokens at every step this way, whoever ran it
+        (engine/loop.py). After a step that raised elsewhere, [] (the caller's next advance
+        steps itself)."""
+        with self._steps:
+            if self._stepping:
+                ended = self._steps_ended
+                while self._steps_ended == ended:
+                    self._steps.wait(0.05)   # a timeout: an interrupt of the main thread is seen
+                return self._last_advanced
+            self._stepping += 1
+        return self._step_and_tell()
+
+    def _step_and_tell(self) -> list[Request]:
+        """_step(), counted as under way (self._stepping, already raised) until it ends; then the
+        callers waiting in advance() are woken with what it advanced."""
+        advanced = []
+        try:
+            advanced = self._step()
+            return advanced
+        finally:
+            with self._steps:
+                self._stepping -= 1
+                self._steps_ended += 1
+                self._last_advanced = advanced
+                self._steps.notify_all()
+
+    @_steps_wait
+    def _step(self) -> list[Request]:
         self._check_open()
         plan = self.scheduler.schedule()
         if plan is None:
