@@ -20,6 +20,7 @@ from mtpkit.engine.args import EngineArgs
 from mtpkit.engine.build import build_engine, open_checkpoint
 from mtpkit.engine.inputs import (id_sequence, is_bool, normalize_sampling_params, prompt_list, short_repr,
                                   utf8_text)
+from mtpkit.engine.follow import follow as follow_ops
 from mtpkit.engine.loop import run_call, stream_call
 from mtpkit.engine.request import CompletionOutput, Request, RequestOutput, SpecStats, Status
 from mtpkit.errors import InputError
@@ -348,9 +349,10 @@ class LLM:
 
     # ---- asyncio: each call on a thread of its own, never on the event loop (engine/loop.py)
     def _check_async(self) -> None:
-        if self.engine.tp.size > 1:
-            raise InputError("asyncio calls under tensor parallelism: every rank must make the same calls in the "
-                             "same order, so call generate / stream from one thread on every rank")
+        if self.engine.tp.size > 1 and self.engine.leader is None:
+            raise InputError("asyncio calls under tensor parallelism need rank 0 to lead: `with llm.lead():` on "
+                             "rank 0 and `llm.follow()` on the other ranks (else every rank must make the same "
+                             "calls in the same order, from one thread)")
 
     async def agenerate(self, prompts, sampling_params=None, **kwargs) -> list[RequestOutput]:
         """`await llm.agenerate(...)`: generate() with the same arguments, run on a thread of its
@@ -445,6 +447,35 @@ class LLM:
         except InputError:
             ids = []
         return RequestOutput(self.engine.next_id(), ids, [], "", "error", SpecStats(), msg)
+
+    # ---- tensor parallelism: rank 0 leads, the other ranks follow (engine/follow.py) ----
+    @contextlib.contextmanager
+    def lead(self):
+        """`with llm.lead():` on rank 0 of a tensor-parallel group, while the other ranks call
+        `llm.follow()`: inside the block rank 0 alone makes calls, from any number of threads,
+        asyncio tasks or `mtpkit serve`, and the other ranks replay what changes the schedule
+        (queued requests, aborts, steps, scores). Leaving the block aborts what is still
+        queued or running and ends the followers' `follow()`; then every rank makes the same
+        calls again. Without tensor parallelism it does nothing."""
+        if self.tp.size > 1:
+            if self.tp.rank != 0:
+                raise InputError(f"lead() is rank 0's; rank {self.tp.rank} calls llm.follow()")
+            self.engine.lead(True)
+        try:
+            yield self
+        finally:
+            if self.tp.size > 1 and not self.engine.closed:
+                self.engine.lead(False)
+
+    def follow(self) -> str:
+        """On a tensor-parallel rank other than 0: run what rank 0 runs inside its `lead()`
+        block, until it leaves the block (returns "end") or closes its LLM ("close": this one
+        is closed too). Meanwhile this LLM takes no call from another thread (InputError)."""
+        if self.tp.size == 1:
+            raise InputError("follow() is for tensor-parallel ranks other than 0; this LLM runs alone")
+        if self.tp.rank == 0:
+            raise InputError("rank 0 leads (`with llm.lead():`); the other ranks call follow()")
+        return follow_ops(self.engine, self._enqueue)
 
     # ---- closing --------------------------------------------------------------------
     def close(self) -> None:

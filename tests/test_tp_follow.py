@@ -1,0 +1,150 @@
+"""Tensor parallelism led by rank 0 (engine/follow.py): two gloo processes on CPU, rank 0 inside
+`llm.lead()` serving two threads of generate and an asyncio call at once, rank 1 in
+`llm.follow()`. Their outputs equal a single-process run's, an abort on rank 0 reaches rank 1
+(both ranks ran the same steps: their step logs are equal), leaving the block returns both to
+the same-calls mode, and rank 0's close ends rank 1's follow. The two ranks are this file run
+as a script (so a hang is bounded: the process group's timeout, and the test's). float64:
+TP sums partial products in another order, and the tokens must not move."""
+
+import asyncio
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import oracle
+import spec_models
+from mtpkit import LLM, SamplingParams
+from mtpkit.errors import InputError
+
+F64 = dict(dtype="float64", device="cpu", max_model_len=128, max_num_seqs=6)
+CFG = oracle.TINY_CONFIGS["base"]
+# three calls: thread 0 (greedy), thread 1 (seeded sampling), an asyncio task (greedy, 2 prompts)
+LENGTHS = [[5, 17], [9], [1, 12]]
+PARAMS = [SamplingParams(max_tokens=10, ignore_eos=True),
+          SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.9, seed=11),
+          SamplingParams(max_tokens=6, ignore_eos=True)]
+LONG = SamplingParams(max_tokens=60, ignore_eos=True)
+
+
+def _calls():
+    flat = oracle.random_prompts(5, CFG["vocab_size"], seed=4, lengths=[n for c in LENGTHS for n in c])
+    out, i = [], 0
+    for c in LENGTHS:
+        out.append(flat[i:i + len(c)])
+        i += len(c)
+    return out
+
+
+def _leader(llm: LLM) -> dict:
+    calls, results, errors = _calls(), {}, []
+
+    def caller(c):
+        try:
+            results[c] = [o.token_ids for o in llm.generate(calls[c], PARAMS[c])]
+        except BaseException as e:   # noqa: BLE001 - reported in the results
+            errors.append(repr(e))
+    with llm.lead():
+        threads = [threading.Thread(target=caller, args=(c,)) for c in (0, 1)]
+        for th in threads:
+            th.start()
+        results[2] = [o.token_ids for o in asyncio.run(llm.agenerate(calls[2], PARAMS[2]))]
+        for th in threads:
+            th.join(timeout=60)
+        # a refused prompt takes a request id on rank 0 only: the followers must still agree
+        bad = llm.generate([[1, 2], [10 ** 6]], SamplingParams(max_tokens=2), errors="return")
+        aborted = None
+        for ev in llm.stream([3, 4, 5], LONG):
+            if len(ev.output.token_ids) >= 3 and aborted is None:
+                aborted = llm.abort(ev.output.request_id)
+            final = ev.output
+        logits = llm.score([7, 8, 9])
+    after = llm.generate(calls[0], PARAMS[0])[0].token_ids   # the same-calls mode again
+    with llm.lead():
+        llm.close()
+    return dict(results=results, errors=errors, bad=[o.error is not None for o in bad], aborted=aborted,
+                finish=final.finish_reason, num_tokens=len(final.token_ids), logits=logits, after=after)
+
+
+def _follower(llm: LLM) -> dict:
+    ended = llm.follow()
+    whole = llm.kv_pools.num_free == llm.kv_pools.capacity and llm.slots.num_free == llm.slots.capacity
+    after = llm.generate(_calls()[0], PARAMS[0])[0].token_ids
+    return dict(ended=ended, whole=whole, after=after, closed=llm.follow(), is_closed=llm.engine.closed)
+
+
+def _rank(rank: int, port: int, root: str) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
+                            timeout=datetime.timedelta(seconds=60))
+    llm = LLM(Path(root) / "base", num_spec=2, **F64)
+    out = _leader(llm) if rank == 0 else _follower(llm)
+    out["steps"] = [(r.kind, r.request_ids, r.num_tokens) for r in llm.engine.step_log.records()]
+    torch.save(out, Path(root) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_follow")
+    spec_models.build_spec_checkpoint(root / "base", CFG, seed=0, mode="bigram", eps=0.3)
+    port, env = _free_port(), {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2"}
+    env.pop("LOCAL_RANK", None)
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(root)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("the two ranks hung (no clean shutdown)")
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    return root, [torch.load(root / f"rank{r}.pt") for r in range(2)]
+
+
+def test_rank0_leads_threads_and_asyncio_and_rank1_follows(ranks):
+    root, (r0, r1) = ranks
+    assert not r0["errors"], r0["errors"]
+    ref = LLM(root / "base", num_spec=2, **F64)
+    want = {c: [o.token_ids for o in ref.generate(p, PARAMS[c])] for c, p in enumerate(_calls())}
+    assert r0["results"] == want
+    assert r0["bad"] == [False, True]
+    # the abort on rank 0 reached rank 1: it ran exactly rank 0's steps (else its collectives
+    # would have met other ones, or it would have run on with the aborted request)
+    assert r0["aborted"] and r0["finish"] == "abort" and r0["num_tokens"] < LONG.max_tokens
+    assert r0["steps"] == r1["steps"]
+    assert any(len(ids) >= 2 for _, ids, _ in r0["steps"]), "the callers' requests shared steps"
+    assert r1["ended"] == "end" and r1["whole"], "leaving lead() ends follow(), nothing left running"
+    assert r0["after"] == r1["after"] == want[0][0]
+    assert r1["closed"] == "close" and r1["is_closed"]
+    diff = (r0["logits"] - ref.score([7, 8, 9])).abs().max().item()
+    assert diff < 1e-9
+    ref.close()
+
+
+def test_lead_and_follow_refuse_a_single_process():
+    with LLM("tiny-qwen3-next", enforce_eager=True) as llm:
+        with pytest.raises(InputError, match="follow"):
+            llm.follow()
+        with llm.lead():   # nothing to lead: a no-op
+            assert llm.generate([1, 2], SamplingParams(max_tokens=2))[0].token_ids
+
+
+if __name__ == "__main__":
+    _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
