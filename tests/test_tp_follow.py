@@ -3,8 +3,9 @@
 `llm.follow()`. Their outputs equal a single-process run's, an abort on rank 0 reaches rank 1
 (both ranks ran the same steps: their step logs are equal), leaving the block returns both to
 the same-calls mode, and rank 0's close ends rank 1's follow. The two ranks are this file run
-as a script (so a hang is bounded: the process group's timeout, and the test's). float64:
-TP sums partial products in another order, and the tokens must not move."""
+as a script (so a hang is bounded: the process group's timeout, and the test's). The embedded
+tiny-qwen3-next (no checkpoint to build) in float64: TP sums partial products in another order,
+and the tokens must not move."""
 
 import asyncio
 import datetime
@@ -19,22 +20,23 @@ import pytest
 import torch
 
 import oracle
-import spec_models
 from mtpkit import LLM, SamplingParams
 from mtpkit.errors import InputError
 
-F64 = dict(dtype="float64", device="cpu", max_model_len=128, max_num_seqs=6)
-CFG = oracle.TINY_CONFIGS["base"]
+MODEL = "tiny-qwen3-next"
+F64 = dict(dtype="float64", device="cpu", max_model_len=128, max_num_seqs=6, enforce_eager=True)
+VOCAB = 257
 # three calls: thread 0 (greedy), thread 1 (seeded sampling), an asyncio task (greedy, 2 prompts)
 LENGTHS = [[5, 17], [9], [1, 12]]
 PARAMS = [SamplingParams(max_tokens=10, ignore_eos=True),
           SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.9, seed=11),
           SamplingParams(max_tokens=6, ignore_eos=True)]
 LONG = SamplingParams(max_tokens=60, ignore_eos=True)
+SERVED = [("def f(", False), ("class A:", True)]   # (prompt, streamed) sent to rank 0's server
 
 
 def _calls():
-    flat = oracle.random_prompts(5, CFG["vocab_size"], seed=4, lengths=[n for c in LENGTHS for n in c])
+    flat = oracle.random_prompts(5, VOCAB, seed=4, lengths=[n for c in LENGTHS for n in c])
     out, i = [], 0
     for c in LENGTHS:
         out.append(flat[i:i + len(c)])
@@ -66,8 +68,6 @@ def _leader(llm: LLM) -> dict:
             final = ev.output
         logits = llm.score([7, 8, 9])
     after = llm.generate(calls[0], PARAMS[0])[0].token_ids   # the same-calls mode again
-    with llm.lead():
-        llm.close()
     return dict(results=results, errors=errors, bad=[o.error is not None for o in bad], aborted=aborted,
                 finish=final.finish_reason, num_tokens=len(final.token_ids), logits=logits, after=after)
 
@@ -76,16 +76,69 @@ def _follower(llm: LLM) -> dict:
     ended = llm.follow()
     whole = llm.kv_pools.num_free == llm.kv_pools.capacity and llm.slots.num_free == llm.slots.capacity
     after = llm.generate(_calls()[0], PARAMS[0])[0].token_ids
-    return dict(ended=ended, whole=whole, after=after, closed=llm.follow(), is_closed=llm.engine.closed)
+    return dict(ended=ended, whole=whole, after=after)
 
 
-def _rank(rank: int, port: int, root: str) -> None:
+def _http_client(port: int, texts: dict) -> None:
+    """Rank 0's HTTP clients: a completion and a streamed one at once; then Ctrl-C to the server."""
+    import json
+    import signal
+    import time
+    import urllib.request
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=5)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+
+    def post(prompt, stream):
+        body = json.dumps(dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=stream)).encode()
+        req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            if not stream:
+                texts[prompt] = json.load(r)["choices"][0]["text"]
+                return
+            text = ""
+            for line in r:
+                line = line.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+            texts[prompt] = text
+    try:
+        clients = [threading.Thread(target=post, args=p) for p in SERVED]
+        for th in clients:
+            th.start()
+        for th in clients:
+            th.join(timeout=60)
+    finally:
+        os.kill(os.getpid(), signal.SIGINT)   # uvicorn stops; serve() leaves its lead() block
+
+
+def _rank(rank: int, port: int, http_port: int, root: str) -> None:
     import torch.distributed as dist
+
+    from mtpkit.serve import serve
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
                             timeout=datetime.timedelta(seconds=60))
-    llm = LLM(Path(root) / "base", num_spec=2, **F64)
+    llm = LLM(MODEL, num_spec=2, **F64)
     out = _leader(llm) if rank == 0 else _follower(llm)
+    # `mtpkit serve`'s serve() on every rank: rank 0 listens, rank 1 follows until it stops
+    texts = {}
+    if rank == 0:
+        threading.Thread(target=_http_client, args=(http_port, texts)).start()
+    out["served"] = serve(llm, model_name=MODEL, port=http_port, log_level="warning")
+    out["texts"] = texts
+    if rank == 0:
+        with llm.lead():
+            llm.close()
+    else:
+        out["closed"], out["is_closed"] = llm.follow(), llm.engine.closed
     out["steps"] = [(r.kind, r.request_ids, r.num_tokens) for r in llm.engine.step_log.records()]
     torch.save(out, Path(root) / f"rank{rank}.pt")
     dist.destroy_process_group()
@@ -100,10 +153,9 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp_follow")
-    spec_models.build_spec_checkpoint(root / "base", CFG, seed=0, mode="bigram", eps=0.3)
-    port, env = _free_port(), {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2"}
+    port, http_port, env = _free_port(), _free_port(), {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2"}
     env.pop("LOCAL_RANK", None)
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(root)], env=env,
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(http_port), str(root)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     logs = []
     for p in procs:
@@ -121,7 +173,7 @@ def ranks(tmp_path_factory):
 def test_rank0_leads_threads_and_asyncio_and_rank1_follows(ranks):
     root, (r0, r1) = ranks
     assert not r0["errors"], r0["errors"]
-    ref = LLM(root / "base", num_spec=2, **F64)
+    ref = LLM(MODEL, num_spec=2, **F64)
     want = {c: [o.token_ids for o in ref.generate(p, PARAMS[c])] for c, p in enumerate(_calls())}
     assert r0["results"] == want
     assert r0["bad"] == [False, True]
@@ -135,11 +187,15 @@ def test_rank0_leads_threads_and_asyncio_and_rank1_follows(ranks):
     assert r1["closed"] == "close" and r1["is_closed"]
     diff = (r0["logits"] - ref.score([7, 8, 9])).abs().max().item()
     assert diff < 1e-9
+    # the server on rank 0 under TP: what the single process generates for those requests
+    served = SamplingParams(**{**ref.generation_defaults.sampling, "max_tokens": 8})
+    assert r0["texts"] == {p: ref.generate(p, served)[0].text for p, _ in SERVED}
+    assert r0["served"] is None and r1["served"] == "end"
     ref.close()
 
 
 def test_lead_and_follow_refuse_a_single_process():
-    with LLM("tiny-qwen3-next", enforce_eager=True) as llm:
+    with LLM(MODEL, enforce_eager=True) as llm:
         with pytest.raises(InputError, match="follow"):
             llm.follow()
         with llm.lead():   # nothing to lead: a no-op
@@ -147,4 +203,4 @@ def test_lead_and_follow_refuse_a_single_process():
 
 
 if __name__ == "__main__":
-    _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    _rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
