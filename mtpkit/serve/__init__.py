@@ -2,7 +2,10 @@
 `pip install -e ".[serve]"`, FastAPI + uvicorn). app.py: the endpoints; protocol.py: the API's
 fields and shapes; metrics.py: /metrics."""
 
+import contextlib
 import os
+import signal
+import threading
 
 from mtpkit.errors import ConfigError
 
@@ -23,15 +26,32 @@ def serve(llm, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, ap
           max_body_bytes: int | None = None, log_level: str = "info") -> str | None:
     """Serve `llm` until interrupted (uvicorn, one worker: the engine is in this process). Under
     tensor parallelism call it on every rank: rank 0 listens inside `llm.lead()`, the others
-    follow (returns what their `follow()` returned), and when rank 0 stops the followers return."""
+    follow (returning what their `follow()` returned) and leave Ctrl-C, which a launcher sends
+    to every rank, to rank 0: its server stops, its lead ends, and so do their follows."""
     check_launch(llm.tp.size)
     if llm.tp.size > 1 and llm.tp.rank != 0:
-        return llm.follow()
+        with _sigint_ignored():
+            return llm.follow()
     import uvicorn
 
     from mtpkit.serve.app import DEFAULT_MAX_BODY, build_app
     app = build_app(llm, model_name=model_name, api_key=api_key,
                     max_body_bytes=DEFAULT_MAX_BODY if max_body_bytes is None else max_body_bytes)
     with llm.lead():
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        try:
+            uvicorn.run(app, host=host, port=port, log_level=log_level)
+        except KeyboardInterrupt:   # uvicorn shut down on it, then raises it again
+            pass
     return None
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
