@@ -8,7 +8,8 @@ gaps of 0), time to first token from the start, and each way's total throughput.
 warm-up, `--rounds` rounds run both ways once each, alternating which goes first (a noisy
 stretch of a shared machine hits both alike); prints medians over rounds, the same-round
 throughput ratio (advance / step), the mean step time (no design reports tokens more often
-than once per step), and checks that both ways produce the same tokens (greedy).
+than once per step), the share of the steps advancing a stream at which it reported tokens
+(with drafts a step emits several tokens at once: zero gaps that are not bursts), and checks that both ways produce the same tokens (greedy).
 
     python benchmarks/stream_gaps.py --streams 8 32
     python benchmarks/stream_gaps.py --model tiny-gemma4 --num-spec 3 --streams 8 32 --rounds 3
@@ -26,19 +27,22 @@ WORDS = ["def fibonacci(n):", "class Stack:", "import os\n", "for k in range(", 
 
 
 def run(llm, prompts, params, way: str):
-    """Stream every prompt on a thread of its own; returns tokens, per-token gaps, ttfts, wall time."""
+    """Stream every prompt on a thread of its own; returns tokens, per-token gaps, ttfts, wall time,
+    mean step time, and the share of the steps that advanced a stream's request at which the
+    stream reported tokens (1: at every step; below 1: steps' tokens reported together)."""
     engine = llm.engine
     if way == "step":
         engine.advance = engine.step   # the old loop: every stream steps itself, under the lock
-    tokens, gaps, ttft = [None] * len(prompts), [], []
+    tokens, gaps, ttft, events = [None] * len(prompts), [], [], {}
     lock, go = threading.Lock(), threading.Barrier(len(prompts) + 1)
 
     def caller(i):
         go.wait()
         t0 = prev = time.perf_counter()
-        got, mine = [], []
+        got, mine, n = [], [], 0
         for ev in llm.stream(prompts[i], params):
             if ev.new_token_ids:
+                n += 1
                 now = time.perf_counter()
                 if not got:
                     ttft_i = now - t0
@@ -47,6 +51,7 @@ def run(llm, prompts, params, way: str):
                 got += ev.new_token_ids
         tokens[i] = got
         with lock:
+            events[ev.output.request_id] = n
             gaps.extend(mine[1:])   # the first is the time to first token
             ttft.append(ttft_i)
     ths = [threading.Thread(target=caller, args=(i,)) for i in range(len(prompts))]
@@ -62,7 +67,10 @@ def run(llm, prompts, params, way: str):
         del engine.advance
     recs = [r for r in engine.step_log.records() if r.index >= steps]
     step_ms = statistics.mean(r.end - r.start for r in recs) * 1e3
-    return tokens, gaps, ttft, wall, step_ms
+    # steps that emitted tokens for each request (a non-final prefill chunk emits none)
+    emitting = [r for r in recs if r.num_tokens]
+    at_steps = sum(events.values()) / sum(len(set(r.request_ids) & events.keys()) for r in emitting)
+    return tokens, gaps, ttft, wall, step_ms, at_steps
 
 
 def pct(xs, q):
@@ -105,7 +113,8 @@ def main():
                   f"zero gaps (burst) {med(lambda x: sum(g == 0 for g in x[1]) / len(x[1])):5.1%}  "
                   f"ttft median {med(lambda x: statistics.median(x[2])) * 1e3:6.1f} ms  "
                   f"p99 {med(lambda x: pct(x[2], 0.99)) * 1e3:6.1f} ms  "
-                  f"{n * a.max_tokens / med(lambda x: x[3]):7.1f} tok/s  step {med(lambda x: x[4]):5.1f} ms")
+                  f"{n * a.max_tokens / med(lambda x: x[3]):7.1f} tok/s  step {med(lambda x: x[4]):5.1f} ms  "
+                  f"reported at {med(lambda x: x[5]):5.1%} of its steps")
         print(f"    throughput ratio (after / before, median of same-round ratios): {statistics.median(ratios):.3f}")
     print("  outputs identical: yes")
 
