@@ -16,15 +16,15 @@ import sys
 import threading
 from pathlib import Path
 
+import oracle
 import pytest
 import torch
 
-import oracle
 from mtpkit import LLM, SamplingParams
 from mtpkit.errors import InputError
 
 MODEL = "tiny-qwen3-next"
-F64 = dict(dtype="float64", device="cpu", max_model_len=128, max_num_seqs=6, enforce_eager=True)
+F64 = {"dtype": "float64", "device": "cpu", "max_model_len": 128, "max_num_seqs": 6, "enforce_eager": True}
 VOCAB = 257
 # three calls: thread 0 (greedy), thread 1 (seeded sampling), an asyncio task (greedy, 2 prompts)
 LENGTHS = [[5, 17], [9], [1, 12]]
@@ -68,15 +68,15 @@ def _leader(llm: LLM) -> dict:
             final = ev.output
         logits = llm.score([7, 8, 9])
     after = llm.generate(calls[0], PARAMS[0])[0].token_ids   # the same-calls mode again
-    return dict(results=results, errors=errors, bad=[o.error is not None for o in bad], aborted=aborted,
-                finish=final.finish_reason, num_tokens=len(final.token_ids), logits=logits, after=after)
+    return {"results": results, "errors": errors, "bad": [o.error is not None for o in bad], "aborted": aborted,
+            "finish": final.finish_reason, "num_tokens": len(final.token_ids), "logits": logits, "after": after}
 
 
 def _follower(llm: LLM) -> dict:
     ended = llm.follow()
     whole = llm.kv_pools.num_free == llm.kv_pools.capacity and llm.slots.num_free == llm.slots.capacity
     after = llm.generate(_calls()[0], PARAMS[0])[0].token_ids
-    return dict(ended=ended, whole=whole, after=after)
+    return {"ended": ended, "whole": whole, "after": after}
 
 
 def _http_client(port: int, texts: dict) -> None:
@@ -97,7 +97,8 @@ def _http_client(port: int, texts: dict) -> None:
             time.sleep(0.05)
 
     def post(prompt, stream):
-        body = json.dumps(dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=stream)).encode()
+        body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                           "stream": stream}).encode()
         req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=30) as r:
             if not stream:
@@ -152,7 +153,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp_follow")
+    root = tmp_path_factory.mktemp("tp_follow")   # the ranks' results
     port, http_port, env = _free_port(), _free_port(), {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2"}
     env.pop("LOCAL_RANK", None)
     procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(http_port), str(root)], env=env,
@@ -167,11 +168,11 @@ def ranks(tmp_path_factory):
             pytest.fail("the two ranks hung (no clean shutdown)")
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
-    return root, [torch.load(root / f"rank{r}.pt") for r in range(2)]
+    return [torch.load(root / f"rank{r}.pt") for r in range(2)]
 
 
 def test_rank0_leads_threads_and_asyncio_and_rank1_follows(ranks):
-    root, (r0, r1) = ranks
+    r0, r1 = ranks
     assert not r0["errors"], r0["errors"]
     ref = LLM(MODEL, num_spec=2, **F64)
     want = {c: [o.token_ids for o in ref.generate(p, PARAMS[c])] for c, p in enumerate(_calls())}
