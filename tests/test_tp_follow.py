@@ -52,6 +52,11 @@ def _leader(llm: LLM) -> dict:
             results[c] = [o.token_ids for o in llm.generate(calls[c], PARAMS[c])]
         except BaseException as e:   # noqa: BLE001 - reported in the results
             errors.append(repr(e))
+    try:   # outside lead(): every rank must make the same calls, so asyncio is refused (nothing ran)
+        asyncio.run(llm.agenerate(calls[2], PARAMS[2]))
+        async_refused = None
+    except InputError as e:
+        async_refused = str(e)
     with llm.lead():
         threads = [threading.Thread(target=caller, args=(c,)) for c in (0, 1)]
         for th in threads:
@@ -69,14 +74,27 @@ def _leader(llm: LLM) -> dict:
         logits = llm.score([7, 8, 9])
     after = llm.generate(calls[0], PARAMS[0])[0].token_ids   # the same-calls mode again
     return {"results": results, "errors": errors, "bad": [o.error is not None for o in bad], "aborted": aborted,
-            "finish": final.finish_reason, "num_tokens": len(final.token_ids), "logits": logits, "after": after}
+            "finish": final.finish_reason, "num_tokens": len(final.token_ids), "logits": logits, "after": after,
+            "async_refused": async_refused}
 
 
 def _follower(llm: LLM) -> dict:
+    refused = []
+
+    def other_thread():   # a call on a following rank from another thread is refused
+        while llm.engine.follower_thread is None:
+            threading.Event().wait(0.01)
+        try:
+            llm.generate([1, 2, 3], PARAMS[0])
+        except InputError as e:
+            refused.append(str(e))
+    th = threading.Thread(target=other_thread)
+    th.start()
     ended = llm.follow()
+    th.join(timeout=30)
     whole = llm.kv_pools.num_free == llm.kv_pools.capacity and llm.slots.num_free == llm.slots.capacity
     after = llm.generate(_calls()[0], PARAMS[0])[0].token_ids
-    return {"ended": ended, "whole": whole, "after": after}
+    return {"ended": ended, "whole": whole, "after": after, "refused": refused}
 
 
 def _http_client(port: int, texts: dict) -> None:
@@ -177,6 +195,8 @@ def test_rank0_leads_threads_and_asyncio_and_rank1_follows(ranks):
     ref = LLM(MODEL, num_spec=2, **F64)
     want = {c: [o.token_ids for o in ref.generate(p, PARAMS[c])] for c, p in enumerate(_calls())}
     assert r0["results"] == want
+    assert "lead" in r0["async_refused"]
+    assert len(r1["refused"]) == 1 and "following rank 0" in r1["refused"][0]
     assert r0["bad"] == [False, True]
     # the abort on rank 0 reached rank 1: it ran exactly rank 0's steps (else its collectives
     # would have met other ones, or it would have run on with the aborted request)
