@@ -16,11 +16,11 @@ steps (the accepted positions' slots) resume the same way.
 
 import math
 
+import oracle
 import pytest
+import spec_models
 import torch
 
-import oracle
-import spec_models
 from mtpkit import LLM, SamplingParams
 from mtpkit.engine.request import Status
 from mtpkit.engine.scheduler import StepKind
@@ -28,18 +28,18 @@ from mtpkit.kernels import conv, gdn
 from mtpkit.step.cache import allocate_snapshots
 from mtpkit.step.metadata import StateSnapshots
 
-F64 = dict(dtype="float64", device="cpu")
+F64 = {"dtype": "float64", "device": "cpu"}
 
 
 # ---- kernels ---------------------------------------------------------------------------
 
 def _snapshots(rows, tokens, ids):
-    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    t = lambda x: torch.tensor(x, dtype=torch.int64)
     return StateSnapshots(rows=t(rows), token_index=t(tokens), ids=t(ids))
 
 
 def _gdn_inputs(g, T, hk=2, hv=4, dk=8, dv=8):
-    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
     return (r(T, hk, dk), r(T, hk, dk), r(T, hv, dv), r(T, hv), r(T, hv),
             torch.log(torch.rand(hv, generator=g, dtype=torch.float64) * 4 + 0.5), r(hv))
 

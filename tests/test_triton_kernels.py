@@ -235,7 +235,7 @@ def _snapshots(rows, positions, qsl):
     """StateSnapshots after position p of row r (ids in order)."""
     from mtpkit.step.metadata import StateSnapshots
 
-    t = lambda x: torch.tensor(x, dtype=torch.int64, device=DEVICE)  # noqa: E731
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=DEVICE)
     return StateSnapshots(rows=t(rows), token_index=t([int(qsl[r]) + p for r, p in zip(rows, positions)]),
                           ids=t(list(range(len(rows)))[::-1]))
 

@@ -94,9 +94,12 @@ class CacheTensors:
         """Per state name, the slot of each request that holds it: a request keeps its conv
         window in its first slot and its recurrent state in its last (a prefill writes them
         there; docs/design.md, "GDN state under speculation"). Other names: the first."""
-        if len(slots) != len(ids) or not self.snapshots:
-            raise ValueError("snapshots: one id per request's slots, and a snapshot store (allocate_cache"
-                             "(num_snapshots=...))")
+        if len(slots) != len(ids):
+            raise ValueError(f"snapshots: one id per request's slots, got {len(ids)} ids for {len(slots)}")
+        missing = [g for g, layers in self.state.items() if layers and g not in self.snapshots]
+        if missing:
+            raise ValueError(f"no snapshot store for the state groups {missing}: allocate it for the engine's "
+                             "whole CacheSpec (allocate_cache(..., num_snapshots=N) / allocate_snapshots)")
         first = torch.tensor([s[0] for s in slots], dtype=torch.int64)
         last = torch.tensor([s[-1] for s in slots], dtype=torch.int64)
         return {"ssm": last}, first, torch.tensor(list(ids), dtype=torch.int64)
