@@ -98,6 +98,8 @@ DIMS: dict[str, str] = {
                 "table and slot mapping each",
     "num_slots": "recurrent-state slots in the pool (slot 0 is the null slot)",
     "num_layers": "layers of one cache group in the model",
+    "num_snapshots": "recurrent-state snapshots one step writes or one copy moves (step.metadata.StateSnapshots)",
+    "snapshot_slots": "rows of the state-snapshot store (CacheTensors.snapshots), one snapshot id each",
 }
 
 # ---------------------------------------------------------------------------------------

@@ -63,8 +63,9 @@ class ModelRunner:
         return self._verify(plan)
 
     # ---- prefill ----------------------------------------------------------------------
-    def prefill_hidden(self, chunks: list[PrefillChunk]):
-        token_ids, positions, meta = build_prefill(chunks, self.cfg.block_size, self.cfg.max_blocks, self.device)
+    def prefill_hidden(self, chunks: list[PrefillChunk], snapshots: list[tuple[int, int, int]] = ()):
+        token_ids, positions, meta = build_prefill(chunks, self.cfg.block_size, self.cfg.max_blocks, self.device,
+                                                   snapshots)
         return self.model(token_ids, positions, meta, self.cache), positions, meta
 
     def _prefill(self, plan: StepPlan) -> list[ReqResult]:
@@ -72,7 +73,8 @@ class ModelRunner:
         chunks = [PrefillChunk(r.all_token_ids[r.num_computed:r.num_computed + n], r.num_computed,
                                [t.ids for t in r.block_tables], r.state_slots)
                   for r, n in zip(reqs, plan.chunk_lens)]
-        token_ids, positions, meta = build_prefill(chunks, self.cfg.block_size, self.cfg.max_blocks, self.device)
+        token_ids, positions, meta = build_prefill(chunks, self.cfg.block_size, self.cfg.max_blocks, self.device,
+                                                   plan.snapshots)
         hidden = self.model(token_ids, positions, meta, self.cache)
         finishing = [i for i, (r, n) in enumerate(zip(reqs, plan.chunk_lens)) if r.num_computed + n == r.prefill_target]
         results = [ReqResult([], 1, 0, []) for _ in reqs]

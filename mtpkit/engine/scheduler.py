@@ -44,6 +44,9 @@ class StepPlan:
     # `forked` the samples forked in this round (a step that raises recomputes them too).
     copies: CacheCopies = dataclasses.field(default_factory=CacheCopies)
     forked: list[Request] = dataclasses.field(default_factory=list)
+    # PREFILL: recurrent-state snapshots the step writes, (row in reqs, position within that
+    # row's chunk, snapshot id): the state after that token (step.metadata.StateSnapshots).
+    snapshots: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
