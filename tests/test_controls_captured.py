@@ -177,6 +177,7 @@ def test_controls_tensors_are_typed_and_rows_without_controls_untouched():
     t = ControlTables(3, 11, torch.float32, "cpu")
     x = torch.randn(2, 2, 11, dtype=torch.bfloat16)
     drafts = torch.tensor([[4], [9]])
-    out = apply_controls(x, drafts, torch.tensor([0, 1]), torch.tensor([False, True]), torch.tensor([1.0, 1.0]),
-                         torch.zeros(2), torch.zeros(2), torch.zeros(2, dtype=torch.int64), *t.tensors())
+    ints = torch.tensor([[0, 1], [0, 1], [0, 0]])                 # slot, active, min_left per row
+    floats = torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]])    # repetition, presence, frequency
+    out = apply_controls(x, drafts, ints, floats, *t.tensors())
     assert out.dtype == torch.float32 and torch.equal(out, x.float())

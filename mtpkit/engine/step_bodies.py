@@ -63,17 +63,15 @@ class StepBodies:
     @checked
     def controls(
         self, logits: Float[Tensor, "num_tokens vocab"], token_ids: Int[Tensor, "num_tokens"],
-        slots: Int[Tensor, "num_reqs_padded"], active: Bool[Tensor, "num_reqs_padded"],
-        repetition: Float[Tensor, "num_reqs_padded"], presence: Float[Tensor, "num_reqs_padded"],
-        frequency: Float[Tensor, "num_reqs_padded"], min_left: Int[Tensor, "num_reqs_padded"],
+        ints: Int[Tensor, "3 num_reqs_padded"], floats: Float[Tensor, "3 num_reqs_padded"],
         counts: Float[Tensor, "control_slots vocab"], prompt_seen: Bool[Tensor, "control_slots vocab"],
         static: Float[Tensor, "control_slots vocab"], stop: Bool[Tensor, "control_slots vocab"],
     ) -> Float[Tensor, "num_reqs_padded bundle vocab"]:
         """After a verify body: its logits with the controls applied at every bundle position
         (the drafts d_1..d_k are the step's tokens after each row's first)."""
-        n = slots.shape[0]
-        return apply_controls(logits.view(n, self.bundle, -1), token_ids.view(n, self.bundle)[:, 1:], slots, active,
-                              repetition, presence, frequency, min_left, counts, prompt_seen, static, stop)
+        n = ints.shape[1]
+        return apply_controls(logits.view(n, self.bundle, -1), token_ids.view(n, self.bundle)[:, 1:], ints, floats,
+                              counts, prompt_seen, static, stop)
 
     @checked
     def propose(

@@ -39,7 +39,7 @@ import torch
 from mtpkit.step.metadata import PrefillMetadata, UniformRow, build_uniform
 from mtpkit.config import EngineConfig
 from mtpkit.step.cache import CacheTensors
-from mtpkit.sampling.controls import ControlInputs
+from mtpkit.sampling.controls import NEUTRAL_FLOATS, NEUTRAL_INTS, ControlInputs
 from mtpkit.shapes import Float, Int, Tensor, checked, is_debug
 from mtpkit.graphs.plan import CapturePlan
 from mtpkit.graphs.specialize import private_compilation_unit, specialized
@@ -73,8 +73,7 @@ class Bodies(Protocol):
                          last_idx, block_tables, cache: CacheTensors, meta: PrefillMetadata | None = None
                          ) -> Tensor: ...
 
-    def controls(self, logits, token_ids, slots, active, repetition, presence, frequency, min_left,
-                 counts, prompt_seen, static, stop) -> Tensor: ...
+    def controls(self, logits, token_ids, ints, floats, counts, prompt_seen, static, stop) -> Tensor: ...
 
 
 # Tensor arguments of each body before the cache's (StaticBuffers.inputs for verify).
@@ -158,7 +157,7 @@ class CapturedSteps:
         self._prefill_uses: dict = {}
         self.control_graphs: dict = {}    # n -> CUDA graph / traced controls body
         self._control_uses: dict = {}
-        self._control_buf: tuple[Tensor, ...] | None = None   # ControlInputs' fields, [max_reqs] each
+        self._control_buf: tuple[Tensor, ...] | None = None   # ControlInputs.ints / .floats, [3, max_reqs] each
 
     # ---- what is traced or captured -------------------------------------------------------
     # A body with its context length fixed, over flat tensor arguments. The cache tensors are
@@ -374,15 +373,16 @@ class CapturedSteps:
         reallocated) read in place; replays controls[n] (CUDA graph / CPU trace) or calls the body."""
         n, B = self._last.num_reqs_padded, self.bundle
         vals = inputs.tensors()
-        R = vals[0].shape[0]
-        if self._control_buf is None:
+        R = vals[0].shape[1]
+        if self._control_buf is None:   # the buffers, and their neutral values (what padded rows get)
             m = self.plan.sizes[-1]
-            self._control_buf = tuple(torch.empty(m, dtype=v.dtype, device=self.device) for v in vals)
-        neutral = (0, False, 1.0, 0.0, 0.0, 0)    # slot 0, off, no penalty, no min_tokens
-        for buf, v, z in zip(self._control_buf, vals, neutral):
-            buf[:R].copy_(v)
-            buf[R:n].fill_(z)
-        args = (self.outputs[n]["logits"], self.buf.token_ids[:n * B]) + tuple(b[:n] for b in self._control_buf) \
+            self._control_neutral = tuple(torch.tensor(z, dtype=v.dtype)[:, None].expand(3, m).contiguous().to(
+                self.device) for v, z in zip(vals, (NEUTRAL_INTS, NEUTRAL_FLOATS)))
+            self._control_buf = tuple(t.clone() for t in self._control_neutral)
+        for buf, neutral, v in zip(self._control_buf, self._control_neutral, vals):
+            buf[:, :R].copy_(v)
+            buf[:, R:n].copy_(neutral[:, R:n])
+        args = (self.outputs[n]["logits"], self.buf.token_ids[:n * B]) + tuple(b[:, :n] for b in self._control_buf) \
             + tuple(tables)
         if self.cuda:
             if n not in self.control_graphs:   # pure: warming up on this step's rows writes nothing

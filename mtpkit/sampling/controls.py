@@ -19,7 +19,7 @@ Two parts:
   token set (repetition_penalty), a static additive row (logit_bias, -inf outside
   allowed_token_ids, at one-token bad words) and its stop-id mask (min_tokens). A step's
   per-row inputs (`ControlInputs`: slot, flag, the three penalties, how many bundle
-  positions min_tokens still bans the stop ids at) are O(num_reqs) values. Rows without a
+  positions min_tokens still bans the stop ids at) are O(num_reqs) values in two tensors. Rows without a
   control (flag off; slot 0, a row of neutral values) come out as the input, unchanged. The
   eager paths (prefill, enforce_eager) call this function on the step's own tensors; a
   verify step with graphs replays it captured / traced on static buffers
@@ -83,20 +83,24 @@ def _penalized(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
+# A step's per-row values, packed in two tensors (two host-to-device copies a step, two static
+# buffers in a graph): ROW_INTS[i] is row i of ControlInputs.ints, ROW_FLOATS of .floats; a row
+# without a control has NEUTRAL_INTS / NEUTRAL_FLOATS (slot 0, off; no penalty, no min_tokens).
+ROW_INTS = ("slot", "active", "min_left")     # min_left: bundle positions j < it ban the stop ids (min_tokens)
+ROW_FLOATS = ("repetition", "presence", "frequency")
+NEUTRAL_INTS, NEUTRAL_FLOATS = (0, 0, 0), (1.0, 0.0, 0.0)
+
+
 @shaped_dataclass
 class ControlInputs:
-    """A step's per-row inputs of `apply_controls` (rows without a control: slot 0, off, neutral)."""
+    """A step's per-row inputs of `apply_controls` (ROW_INTS, ROW_FLOATS)."""
 
-    slots: Int[Tensor, "num_reqs"]
-    active: Bool[Tensor, "num_reqs"]
-    repetition: Float[Tensor, "num_reqs"]
-    presence: Float[Tensor, "num_reqs"]
-    frequency: Float[Tensor, "num_reqs"]
-    min_left: Int[Tensor, "num_reqs"]     # bundle positions j < min_left ban the stop ids (min_tokens)
+    ints: Int[Tensor, "3 num_reqs"]
+    floats: Float[Tensor, "3 num_reqs"]
 
     def tensors(self) -> tuple[Tensor, ...]:
         """In apply_controls' argument order."""
-        return self.slots, self.active, self.repetition, self.presence, self.frequency, self.min_left
+        return self.ints, self.floats
 
 
 class ControlTables:
@@ -156,9 +160,8 @@ class ControlTables:
         and counting every penalised request's output tokens emitted since its last step: one
         scatter for the batch. O(rows + their new tokens) host work."""
         n = len(reqs)
-        slots, active, mins = [0] * n, [False] * n, [0] * n
-        rep, pres, freq = [1.0] * n, [0.0] * n, [0.0] * n
-        at, tok = [], []
+        ints, floats = [list(NEUTRAL_INTS) for _ in range(n)], [list(NEUTRAL_FLOATS) for _ in range(n)]
+        flat = []
         for i, r in enumerate(reqs):
             p = r.params
             if not p.has_controls:
@@ -169,18 +172,16 @@ class ControlTables:
                     st.release()
                 st = r.controls = self.build(r)
             if st.penalized and st.num_counted < len(r.output_token_ids):
-                new = r.output_token_ids[st.num_counted:]
-                at += [st.slot] * len(new)
-                tok += new
+                base = st.slot * self.vocab
+                flat += [base + t for t in r.output_token_ids[st.num_counted:]]
             st.num_counted = len(r.output_token_ids)
-            slots[i], active[i], mins[i] = st.slot, True, max(p.min_tokens - len(r.output_token_ids), 0)
-            rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-        if tok:
-            self.counts.index_put_((self._ids(at), self._ids(tok)), torch.ones(len(tok), dtype=self.dtype,
-                                                                               device=self.device), accumulate=True)
-        ints = torch.tensor([slots, mins], dtype=torch.int64).to(self.device)
-        floats = torch.tensor([rep, pres, freq], dtype=self.dtype).to(self.device)
-        return ControlInputs(ints[0], torch.tensor(active).to(self.device), floats[0], floats[1], floats[2], ints[1])
+            ints[i] = [st.slot, 1, max(p.min_tokens - len(r.output_token_ids), 0)]
+            floats[i] = [p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
+        if flat:
+            self.counts.view(-1).index_add_(0, self._ids(flat), torch.ones(len(flat), dtype=self.dtype,
+                                                                         device=self.device))
+        return ControlInputs(torch.tensor(ints, dtype=torch.int64).T.to(self.device),
+                             torch.tensor(floats, dtype=self.dtype).T.to(self.device))
 
 
 @checked
@@ -196,8 +197,7 @@ def cumulative_draft_counts(drafts: Int[Tensor, "num_reqs num_spec"], bundle: in
 @checked
 def apply_controls(
     logits: Float[Tensor, "num_reqs bundle vocab"], drafts: Int[Tensor, "num_reqs bundle-1"],
-    slots: Int[Tensor, "num_reqs"], active: Bool[Tensor, "num_reqs"], repetition: Float[Tensor, "num_reqs"],
-    presence: Float[Tensor, "num_reqs"], frequency: Float[Tensor, "num_reqs"], min_left: Int[Tensor, "num_reqs"],
+    ints: Int[Tensor, "3 num_reqs"], floats: Float[Tensor, "3 num_reqs"],
     counts: Float[Tensor, "control_slots vocab"], prompt_seen: Bool[Tensor, "control_slots vocab"],
     static: Float[Tensor, "control_slots vocab"], stop: Bool[Tensor, "control_slots vocab"],
 ) -> Float[Tensor, "num_reqs bundle vocab"]:
@@ -206,6 +206,8 @@ def apply_controls(
     tensor ops of fixed shapes, so a trace or a CUDA graph records it as the eager call runs it."""
     R, B, V = logits.shape
     dtype = counts.dtype
+    slots, active, min_left = ints[0], ints[1] > 0, ints[2]
+    repetition, presence, frequency = floats[0], floats[1], floats[2]
     x = logits.to(dtype)
     cnt = counts[slots][:, None, :] + cumulative_draft_counts(drafts, B, V, dtype)     # [R, B, V]
     seen = prompt_seen[slots][:, None, :] | (cnt > 0)
