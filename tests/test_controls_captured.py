@@ -181,3 +181,48 @@ def test_controls_tensors_are_typed_and_rows_without_controls_untouched():
     floats = torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]])    # repetition, presence, frequency
     out = apply_controls(x, drafts, ints, floats, *t.tensors())
     assert out.dtype == torch.float32 and torch.equal(out, x.float())
+
+
+def test_a_steady_step_launches_the_same_ops_whatever_the_rows_and_vocabulary():
+    """Host work per step is O(num_reqs): after their slots are built, a step's controls
+    (prepare, apply_controls, the multi-token bad words) launch the same tensor ops for 2 rows
+    as for 6, and for a vocabulary of 50 as of 5000; nothing loops over the vocabulary."""
+    import dataclasses
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mtpkit.sampling.controls import ControlTables, controlled_logits
+
+    @dataclasses.dataclass
+    class Req:
+        params: SamplingParams
+        prompt_token_ids: list
+        output_token_ids: list
+        eos_token_ids: tuple = (1,)
+        drafts: list = dataclasses.field(default_factory=lambda: [2, 3, 4])
+        controls: object = None
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(rows: int, vocab: int) -> int:
+        sp = SamplingParams(max_tokens=20, repetition_penalty=1.2, frequency_penalty=0.5, logit_bias={5: 1.0},
+                            allowed_token_ids=list(range(0, vocab, 2)), bad_words=[[6, 8], [10]], min_tokens=9)
+        reqs = [Req(sp, [7, 8, 9], [6, 4]) for _ in range(rows)]
+        tables = ControlTables(rows + 1, vocab, torch.float64, "cpu")
+        logits = torch.randn(rows, 4, vocab, dtype=torch.float64)
+        drafts = torch.tensor([r.drafts for r in reqs])
+        controlled_logits(logits, drafts, reqs, tables)              # builds the slots
+        for r in reqs:
+            r.output_token_ids += [12, 6]                              # a step emitted two tokens each
+        Count.n = 0
+        with Count():
+            controlled_logits(logits, drafts, reqs, tables)
+        return Count.n
+
+    counts = {(rows, vocab): ops(rows, vocab) for rows in (2, 6) for vocab in (50, 5000)}
+    assert len(set(counts.values())) == 1, counts
