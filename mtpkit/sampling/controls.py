@@ -204,7 +204,7 @@ def apply_controls(
     """The graph-safe controls (module docstring): a new tensor in the tables' dtype (fp32,
     float64 for a float64 model); rows whose `active` is off are the input's, unchanged. Only
     tensor ops of fixed shapes, so a trace or a CUDA graph records it as the eager call runs it."""
-    R, B, V = logits.shape
+    _, B, V = logits.shape
     dtype = counts.dtype
     slots, active, min_left = ints[0], ints[1] > 0, ints[2]
     repetition, presence, frequency = floats[0], floats[1], floats[2]

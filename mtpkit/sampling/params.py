@@ -188,13 +188,13 @@ def _first_token_problems(p: SamplingParams, eos_token_ids: tuple) -> list[str]:
         p.bad_words, list) else set()
     allowed = set(p.allowed_token_ids)
     if allowed <= singles:
-        return ["bad_words ban every one of allowed_token_ids: nothing could be generated; allow a token that no "
-                "one-token bad word bans"]
+        return [("bad_words ban every one of allowed_token_ids: nothing could be generated; allow a token that no "
+                 "one-token bad word bans")]
     min_tokens = p.min_tokens if isinstance(p.min_tokens, int) else 0
     eos = () if p.ignore_eos is True else eos_token_ids   # ignore_eos: eos is no stop id (Engine.add)
     stops = set(p.stop_token_ids if isinstance(p.stop_token_ids, list) else []) | set(eos)
     if min_tokens > 0 and allowed <= singles | stops:
-        return [f"min_tokens={min_tokens} bans the stop ids (stop_token_ids and eos {sorted(stops)[:8]}) until then, "
-                f"and with bad_words they are every one of allowed_token_ids: nothing could be generated first; "
-                "allow a token that is not a stop id, or set min_tokens=0"]
+        return [(f"min_tokens={min_tokens} bans the stop ids (stop_token_ids and eos {sorted(stops)[:8]}) until "
+                 "then, and with bad_words they are every one of allowed_token_ids: nothing could be generated "
+                 "first; allow a token that is not a stop id, or set min_tokens=0")]
     return []
