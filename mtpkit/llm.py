@@ -155,7 +155,7 @@ class LLM:
         try:  # no SamplingParams: the checkpoint's generation_config.json defaults
             params = normalize_sampling_params(params if params is not None else self.generation_defaults.sampling_params())
             params = self._encode_bad_words(params)
-            params.validate(self.model_config.vocab_size)
+            params.validate(self.model_config.vocab_size, self.eos_token_ids)
         except InputError as e:
             raise InputError(f"{where}: {e}") from None
         if params.stop and self.tokenizer is None:
