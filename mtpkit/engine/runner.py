@@ -124,7 +124,12 @@ class ModelRunner:
             step = (hidden, token_ids, torch.tensor(following, dtype=torch.int64, device=self.device), positions,
                     meta.slot_mappings, meta.logits_indices[rows], meta.block_tables[:, rows])
             if finishing:
-                drafts = self._prefill_drafts(meta, step)
+                draft_masks = self._draft_masks(finishing_reqs, masks, [[t] for t in sampled])
+                try:
+                    drafts = self._prefill_drafts(meta, step, draft_masks)
+                finally:
+                    if draft_masks is not None:
+                        draft_masks.close()
                 drafts = self.tp.broadcast(drafts.contiguous())
                 for i, d in zip(finishing, drafts.tolist()):
                     results[i].drafts = d
@@ -157,11 +162,16 @@ class ModelRunner:
                 results[i].prompt_logprobs = []
             results[i].prompt_logprobs.append(d)
 
-    def _prefill_drafts(self, meta, step: tuple):
+    def _prefill_drafts(self, meta, step: tuple, draft_masks=None):
         """The proposal after a prefill: the body, through CapturedSteps when there are graphs."""
         if self.graphs is None:
-            return self.bodies.prefill_proposal(meta.max_seq_len, *step, self.cache, meta)
-        return self.graphs.prefill_proposal(meta.max_seq_len, *step, meta)
+            return self.bodies.prefill_proposal(meta.max_seq_len, *step, self.cache, meta, draft_masks)
+        return self.graphs.prefill_proposal(meta.max_seq_len, *step, meta, draft_masks)
+
+    def _draft_masks(self, reqs: list, masks, emitted: list[list[int]]):
+        """Constrained drafting: the drafter's per-pass grammar masks for the step's constrained
+        rows after what they emitted (None without any: the proposal stays captured)."""
+        return None if masks is None else self.structured.proposal(reqs, emitted, masks.errors)
 
     # ---- verify -----------------------------------------------------------------------
     def _verify(self, plan: StepPlan) -> list[ReqResult]:
@@ -218,11 +228,17 @@ class ModelRunner:
             step_lps = dict(zip(ask, per_row))
         new_drafts = [[] for _ in reqs]
         if self.drafter is not None:
-            if self.graphs is not None:
-                drafts_out = self.graphs.propose(tokens, num_emitted)
-            else:  # eager: no padded rows (n == R), so what was emitted is every row's
-                drafts_out = self.bodies.propose(meta.max_seq_len, hidden, tokens.reshape(-1), num_emitted, *step,
-                                                 self.cache)
+            # constrained rows draft under their grammar (after what they emitted), eagerly
+            draft_masks = self._draft_masks(reqs, masks, [tok_list[i][:emitted_counts[i]] for i in range(R)])
+            try:
+                if self.graphs is not None:
+                    drafts_out = self.graphs.propose(tokens, num_emitted, draft_masks)
+                else:  # eager: no padded rows (n == R), so what was emitted is every row's
+                    drafts_out = self.bodies.propose(meta.max_seq_len, hidden, tokens.reshape(-1), num_emitted,
+                                                     *step, self.cache, draft_masks)
+            finally:
+                if draft_masks is not None:
+                    draft_masks.close()
             new_drafts = self.tp.broadcast(drafts_out[:R].contiguous()).tolist()
         results = [ReqResult(tok_list[i][:emitted_counts[i]], emitted_counts[i], limit_list[i], new_drafts[i])
                    for i in range(R)]
