@@ -1,0 +1,208 @@
+"""Constrained drafting (issue 28): the drafters mask their own logits with the grammar state
+after the step's emitted tokens and the drafts before each pass (structured/draft_masks.py).
+
+For the three drafters (Qwen3-Next's MTP head, a classic draft model, the Gemma 4 assistant),
+float64, CPU graphs traced from the first step (so unconstrained steps replay the captured
+proposal and constrained ones call it eagerly): every draft of a constrained row is a token
+llguidance's own matcher, fed the outputs, the emitted tokens and the earlier drafts one by
+one, allows; greedy constrained output with drafts equals num_spec=0's, with masked drafting
+on and off; on a regex that forbids the drafter's favourite token (several allowed) more
+drafts are accepted with the masks than without. A planted fault (each pass masked with the
+previous pass's state) is caught by the same check. Steps without constrained rows spend
+nothing on draft masks.
+"""
+
+import re
+from collections import Counter
+
+import llguidance
+import pytest
+
+from mtpkit import LLM, SamplingParams, StructuredOutputs
+from mtpkit.checkpoint.hub import resolve_model
+from mtpkit.structured import draft_masks
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+          "required": ["name", "n"], "additionalProperties": False}
+REGEX = "[a-z]{4,12}(-[a-z]{4,12}){2}"          # never the drafters' favourite (a space)
+PROMPTS = ["The user is", "def f(x):", "Hello"]
+DRAFTERS = {"mtp": ("tiny-qwen3-next", {}), "assistant": ("tiny-gemma4", {}),
+            "draft model": ("tiny-gemma4", {"draft_model": "tiny-gemma4"})}   # the target drafts for itself
+
+
+def _params(max_tokens=48):
+    json_spec = StructuredOutputs(json=SCHEMA, disable_any_whitespace=True)
+    return ([SamplingParams(max_tokens=max_tokens, structured_outputs=StructuredOutputs(regex=REGEX))] * 3
+            + [SamplingParams(max_tokens=max_tokens, structured_outputs=json_spec)] * 2
+            + [SamplingParams(max_tokens=16)])           # an unconstrained row in the same steps
+
+
+PROMPTS6 = PROMPTS + PROMPTS[:2] + ["x"]
+_LLMS: dict = {}
+TRACE_AFTER = 10**9
+
+
+def _llm(name: str, num_spec: int, **kw) -> LLM:
+    key = (name, num_spec, tuple(sorted(kw.items())))
+    if key not in _LLMS:
+        kw = {k: resolve_model(v) for k, v in kw.items()}
+        llm = _LLMS[key] = LLM(name, num_spec=num_spec, dtype="float64", max_num_seqs=8, **kw)
+        if llm.runner.graphs is not None:
+            llm.runner.graphs.trace_after = TRACE_AFTER
+    return _LLMS[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_llms():
+    yield
+    for llm in _LLMS.values():
+        llm.close()
+    _LLMS.clear()
+
+
+class StepSpy:
+    """Records every step's (grammar spec, outputs before the step, emitted tokens, drafts) of
+    the constrained requests, from the runner's own results."""
+
+    def __init__(self, llm: LLM):
+        self.llm, self.steps = llm, []
+        self.execute = llm.runner.execute
+
+    def __enter__(self):
+        def spy(plan):
+            before = [list(r.output_token_ids) for r in plan.reqs]
+            results = self.execute(plan)
+            for r, out, res in zip(plan.reqs, before, results):
+                if r.grammar is not None and res.emitted:
+                    self.steps.append((r.params.structured_outputs, out, list(res.emitted), list(res.drafts)))
+            return results
+        self.llm.runner.execute = spy
+        return self
+
+    def __exit__(self, *exc):
+        self.llm.runner.execute = self.execute
+
+
+def forbidden_drafts(llm: LLM, steps) -> list:
+    """The drafts llguidance's matcher refuses, fed the outputs, the emitted tokens and the
+    drafts before it one by one (eos: allowed once the structure is complete, then nothing)."""
+    compiler, eos = llm._grammars, set(llm.eos_token_ids)
+    bad = []
+    for spec, out, emitted, drafts in steps:
+        if eos & set(emitted):
+            continue                                   # the request ends in this step
+        m = llguidance.LLMatcher(compiler.tokenizer, compiler.compile(spec), log_level=0)
+        assert m.consume_tokens(out + emitted), m.get_error()
+        for j, d in enumerate(drafts):
+            ok = m.is_accepting() if d in eos else m.validate_tokens([d]) == 1
+            if not ok:
+                bad.append((out + emitted, j, d))
+                break
+            if d in eos:
+                break
+            assert m.consume_token(d)
+    return bad
+
+
+def _accepted(outs) -> int:
+    return sum(o.spec_stats.num_accepted for o in outs if o.spec_stats is not None)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {name: [o.token_ids for o in _llm(name, 0).generate(PROMPTS6, _params())]
+            for name in ("tiny-qwen3-next", "tiny-gemma4")}
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_drafts_are_valid_lossless_and_accepted_more(references, drafter):
+    name, kw = DRAFTERS[drafter]
+    llm = _llm(name, 3, **kw)
+    masks = llm.runner.structured
+    with StepSpy(llm) as spy:
+        on = llm.generate(PROMPTS6, _params())
+    assert spy.steps and not forbidden_drafts(llm, spy.steps)
+    assert [o.token_ids for o in on] == references[name]
+    for o in on[:3]:
+        assert o.finish_reason == "stop" and re.fullmatch(REGEX, o.text), o.text
+    masks.masked_drafting = False
+    try:
+        with StepSpy(llm) as spy_off:
+            off = llm.generate(PROMPTS6, _params())
+    finally:
+        masks.masked_drafting = True
+    assert [o.token_ids for o in off] == references[name]
+    # the unmasked drafters propose tokens the grammar forbids (the plan then caps or rewrites them)
+    assert forbidden_drafts(llm, spy_off.steps)
+    assert _accepted(on[:5]) > _accepted(off[:5]), (drafter, _accepted(on[:5]), _accepted(off[:5]))
+    if drafter == "draft model":   # the target drafting for itself under the same masks: all accepted
+        assert all(o.spec_stats.num_accepted == o.spec_stats.num_drafted for o in on[:5])
+
+
+def test_a_regex_forbidding_the_favourite_gains_acceptance():
+    """The drafter's favourite token is forbidden everywhere, several tokens are allowed (no
+    forced token to substitute): with the masks the drafts follow the grammar, without them
+    the steps' drafts are capped at the favourite."""
+    llm = _llm("tiny-qwen3-next", 3)
+    plain = llm.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True))
+    drafted = Counter(t for o in plain for t, j in zip(o.token_ids, o.token_draft_positions) if j)
+    favourite = drafted.most_common(1)[0][0]
+    assert not re.fullmatch("[a-z-]", llm.tokenizer.decode([favourite]))
+    sp = SamplingParams(max_tokens=60, structured_outputs=StructuredOutputs(regex=REGEX))
+    masks = llm.runner.structured
+    masks.draft_seconds = 0.0
+    on = llm.generate(PROMPTS, sp)
+    assert masks.draft_seconds > 0
+    masks.masked_drafting = False
+    try:
+        off = llm.generate(PROMPTS, sp)
+    finally:
+        masks.masked_drafting = True
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert _accepted(on) > _accepted(off)
+    assert sum(o.spec_stats.verify_steps for o in on) < sum(o.spec_stats.verify_steps for o in off)
+    # unconstrained requests: no draft masks (the captured proposal, nothing spent on the host)
+    masks.draft_seconds = 0.0
+    llm.generate(PROMPTS, SamplingParams(max_tokens=8))
+    assert masks.draft_seconds == 0.0
+
+
+def test_a_mask_of_the_wrong_pass_is_caught(monkeypatch):
+    """Planted fault: pass j masked with the state before draft j - 1 (the previous pass's);
+    the drafts it gives are refused by the matcher fed token by token."""
+    llm = _llm("tiny-qwen3-next", 3)
+    real = draft_masks.ProposalMasks.__call__
+
+    def lagging(self, j, previous):
+        mask = real(self, j, previous)                  # the matcher after draft j - 1, as it must be
+        lag = mask if j == 0 else self.lag              # ... but pass j gets pass j - 1's mask
+        self.lag = mask
+        return lag
+
+    monkeypatch.setattr(draft_masks.ProposalMasks, "__call__", lagging)
+    with StepSpy(llm) as spy:
+        llm.generate(PROMPTS6, _params())
+    assert forbidden_drafts(llm, spy.steps)
+
+
+def test_traced_graphs_propose_eagerly_only_with_constrained_rows():
+    """CPU graphs traced from the first step: a step with a constrained row calls the propose
+    body directly (its masks need the drafts on the host), one without replays the trace; the
+    outputs are num_spec=0's."""
+    llm = LLM("tiny-qwen3-next", num_spec=3, dtype="float64", max_num_seqs=1, graph_sizes=[1])
+    llm.runner.graphs.trace_after = 0
+    calls = []
+    body = llm.runner.graphs.bodies.propose
+    llm.runner.graphs.bodies.propose = lambda *a, **k: calls.append(a[-1]) or body(*a, **k)
+    try:
+        sp = SamplingParams(max_tokens=12, structured_outputs=StructuredOutputs(regex=REGEX))
+        plain = SamplingParams(max_tokens=12)
+        outs = [llm.generate("Hello", p)[0].token_ids for p in (plain, sp)]
+        masked = [c for c in calls if isinstance(c, draft_masks.ProposalMasks)]
+        # the constrained steps called the body; the others only traced it (once per graph)
+        assert masked and len(calls) - len(masked) == len(llm.runner.graphs.propose_graphs) > 0
+    finally:
+        llm.close()
+    ref = _llm("tiny-qwen3-next", 0)
+    assert outs == [ref.generate("Hello", p)[0].token_ids for p in (plain, sp)]
