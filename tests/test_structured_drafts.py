@@ -206,3 +206,33 @@ def test_traced_graphs_propose_eagerly_only_with_constrained_rows():
         llm.close()
     ref = _llm("tiny-qwen3-next", 0)
     assert outs == [ref.generate("Hello", p)[0].token_ids for p in (plain, sp)]
+
+
+def test_the_assistants_centroid_head_under_masks():
+    """use_ordered_embeddings: the centroid head scores a few candidates, which may hold no
+    allowed token, so a constrained row's draft is the masked argmax over the whole vocabulary;
+    the other rows keep the centroid head's draft (the assistant's step with a stand-in head and
+    no layers: only the choice of the token is under test)."""
+    import types
+
+    import torch
+
+    from mtpkit.models.gemma4.assistant import Gemma4Assistant
+    from mtpkit.parallel import TP
+    from mtpkit.sampling.bitmask import DraftMask
+
+    V, H = 40, 8
+    gen = torch.Generator().manual_seed(0)
+    embed = torch.randn(V, H, generator=gen, dtype=torch.float64)
+    head = types.SimpleNamespace(argmax=lambda d, e: torch.full((d.shape[0],), 3))   # always token 3
+    me = types.SimpleNamespace(pre_projection=lambda x: x[:, :H], layers=[], norm=lambda x: x,
+                               post_projection=lambda x: x, masked_embedding=head, embed_tokens=embed,
+                               tp=TP.single(), cfg=types.SimpleNamespace(vocab_size=V))
+    d = torch.randn(3, H, generator=gen, dtype=torch.float64)
+    words = torch.zeros(1, 2, dtype=torch.int32)
+    words[0, 0] = (1 << 5) | (1 << 7)                                             # row 1 allows 5 and 7
+    mask = DraftMask(words, torch.tensor([1]))
+    token, _ = Gemma4Assistant.step(me, d, d, torch.zeros(3, dtype=torch.int64), {}, None, mask)
+    scores = d[1] @ embed.T
+    assert token.tolist() == [3, 5 if scores[5] >= scores[7] else 7, 3]
+    assert Gemma4Assistant.step(me, d, d, torch.zeros(3, dtype=torch.int64), {}, None)[0].tolist() == [3, 3, 3]
