@@ -9,7 +9,8 @@ one, allows; greedy constrained output with drafts equals num_spec=0's, with mas
 on and off; on a regex that forbids the drafter's favourite token (several allowed) more
 drafts are accepted with the masks than without. A planted fault (each pass masked with the
 previous pass's state) is caught by the same check. Steps without constrained rows spend
-nothing on draft masks.
+nothing on draft masks; with CPU graphs every step replays the traced proposal and only a step
+whose constrained row drafted a forbidden token runs it again with the masks.
 """
 
 import re
@@ -186,10 +187,10 @@ def test_a_mask_of_the_wrong_pass_is_caught(monkeypatch):
     assert forbidden_drafts(llm, spy.steps)
 
 
-def test_traced_graphs_propose_eagerly_only_with_constrained_rows():
-    """CPU graphs traced from the first step: a step with a constrained row calls the propose
-    body directly (its masks need the drafts on the host), one without replays the trace; the
-    outputs are num_spec=0's."""
+def test_traced_graphs_rerun_the_proposal_with_masks_only_when_a_draft_is_forbidden():
+    """CPU graphs traced from the first step: every step replays the traced proposal; a step
+    whose constrained row got a draft its grammar forbids runs it again, calling the propose
+    body directly with the masks (they need the drafts on the host); the outputs are num_spec=0's."""
     llm = LLM("tiny-qwen3-next", num_spec=3, dtype="float64", max_num_seqs=1, graph_sizes=[1])
     llm.runner.graphs.trace_after = 0
     calls = []
@@ -200,8 +201,9 @@ def test_traced_graphs_propose_eagerly_only_with_constrained_rows():
         plain = SamplingParams(max_tokens=12)
         outs = [llm.generate("Hello", p)[0].token_ids for p in (plain, sp)]
         masked = [c for c in calls if isinstance(c, draft_masks.ProposalMasks)]
-        # the constrained steps called the body; the others only traced it (once per graph)
+        # the reruns called the body with masks; without masks it was only traced (once per graph)
         assert masked and len(calls) - len(masked) == len(llm.runner.graphs.propose_graphs) > 0
+        assert len(masked) == llm.runner.structured.masked_proposals
     finally:
         llm.close()
     ref = _llm("tiny-qwen3-next", 0)

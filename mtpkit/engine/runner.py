@@ -228,18 +228,22 @@ class ModelRunner:
             step_lps = dict(zip(ask, per_row))
         new_drafts = [[] for _ in reqs]
         if self.drafter is not None:
-            # constrained rows draft under their grammar (after what they emitted), eagerly
-            draft_masks = self._draft_masks(reqs, masks, [tok_list[i][:emitted_counts[i]] for i in range(R)])
-            try:
+            def propose(draft_masks=None):
                 if self.graphs is not None:
                     drafts_out = self.graphs.propose(tokens, num_emitted, draft_masks)
                 else:  # eager: no padded rows (n == R), so what was emitted is every row's
                     drafts_out = self.bodies.propose(meta.max_seq_len, hidden, tokens.reshape(-1), num_emitted,
                                                      *step, self.cache, draft_masks)
-            finally:
-                if draft_masks is not None:
+                return self.tp.broadcast(drafts_out[:R].contiguous()).tolist()
+            new_drafts = propose()
+            # constrained rows draft under their grammar (after what they emitted)
+            draft_masks = self._draft_masks(reqs, masks, [tok_list[i][:emitted_counts[i]] for i in range(R)])
+            if draft_masks is not None and not draft_masks.allows_all(new_drafts):
+                self.structured.masked_proposals += 1
+                try:
+                    new_drafts = propose(draft_masks)
+                finally:
                     draft_masks.close()
-            new_drafts = self.tp.broadcast(drafts_out[:R].contiguous()).tolist()
         results = [ReqResult(tok_list[i][:emitted_counts[i]], emitted_counts[i], limit_list[i], new_drafts[i])
                    for i in range(R)]
         for i, lps in step_lps.items():

@@ -9,6 +9,12 @@ rows' masks are computed and copied to the device. `close` rolls every consumed 
 the matcher is again at the request's outputs (`RequestGrammar.num_consumed`); the next step's
 sync consumes what was really emitted (a stop string may cut it).
 
+The masked passes are eager (a host round trip each), so a step first runs the proposal as
+usual (captured) and checks its drafts on the host (`allows_all`: cheap checks, no masks): when
+every constrained row's drafts are allowed, they are what the masked passes would give, and are
+kept; otherwise the proposal runs again with the masks (it writes the same KV slots again: the
+second run's drafts and KV are the ones kept).
+
 A row stops being masked (its later passes take the plain argmax) at an eos (the request ends
 there: nothing after it is emitted, and llguidance 1.9.1 rolls an eos back wrongly), at a token
 its grammar refuses (a row whose masks failed this step, which ends with that error) and when
@@ -53,6 +59,34 @@ class ProposalMasks(DraftMasks):
                     self._feed(c, [token])
             return self._masks()
         finally:
+            if self.timer is not None:
+                self.timer(time.perf_counter() - t0)
+
+    def allows_all(self, drafts: list[list[int]]) -> bool:
+        """Whether every constrained row's drafts (drafts[row], from an unmasked proposal) are
+        tokens its grammar allows one after another (up to an eos). Then the masked proposal
+        would give the very same drafts (a pass's masked argmax is its plain argmax when that
+        token is allowed, and the next pass reads only the drafts before it), so it need not
+        run. The matchers are left as they were (no mask is computed)."""
+        t0 = time.perf_counter()
+        try:
+            for c, row in enumerate(self.rows):
+                self._feed(c, self.emitted[c])
+                for t in drafts[row]:
+                    if not self.live[c]:
+                        break
+                    g = self.grammars[c]
+                    if t in g.eos_token_ids:
+                        if not g.allows(t):
+                            return False
+                        break
+                    if not g.allows(t):
+                        return False
+                    self._feed(c, [t])
+            return True
+        finally:
+            self.close()
+            self.live = [True] * len(self.rows)
             if self.timer is not None:
                 self.timer(time.perf_counter() - t0)
 

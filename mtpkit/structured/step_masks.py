@@ -21,7 +21,8 @@ constrained rows; `worker_seconds` the mask fills' time, on whichever thread ran
 (benchmarks/structured_json.py reads them).
 `proposal` makes the masks of the drafter's passes after a step (structured/draft_masks.py:
 constrained drafting, `masked_drafting`), computed on the calling thread pass by pass
-(`draft_seconds`).
+(`draft_seconds`; `masked_proposals` counts the verify steps whose unmasked drafts were not all
+allowed, so that their proposal ran again with the masks).
 """
 
 import contextlib
@@ -103,6 +104,7 @@ class StructuredMasks:
         self.constrained_drafting = True   # replace forbidden drafts by forced tokens (benchmarks turn it off)
         self.masked_drafting = True        # the drafters' argmax under the grammar masks (benchmarks turn it off)
         self.draft_seconds = 0.0           # the calling thread's time on the drafters' masks
+        self.masked_proposals = 0          # verify steps whose proposal ran again with the masks
         self.overlap = True                # verify masks filled by the worker during the forward
         self.host_seconds, self.steps = 0.0, 0   # the calling thread's time here, steps with constrained rows
         self.worker_seconds = 0.0          # the mask fills' time, on whichever thread ran them
