@@ -9,8 +9,9 @@ length and acceptance rate, the calling thread's time per step spent on the gram
 checks, the wait for the masks, the bitmask's copy, the drafters' masks; with the overlap off
 also the mask fill), in ms and as a share of the step, the mask fills' own time per step (on the
 worker during the forward when the overlap is on), and of the host time the drafters' masks
-alone (one mask per constrained row and draft pass, after the step's rejection sampling:
-"draft ms/step"). Every constrained output is checked to be valid JSON under the schema, and
+alone (the host check of the captured proposal's drafts, and where a constrained row drafted a
+forbidden token one mask per constrained row and draft pass for the proposal run again with the
+masks: "draft ms/step"; "redrafted": the share of steps run again). Every constrained output is checked to be valid JSON under the schema, and
 every setting's tokens to equal num_spec=0's (speculation never changes what is generated).
 
     python benchmarks/structured_json.py
@@ -39,11 +40,12 @@ def run(llm: LLM, prompts, params):
     llm.stats = SpecStats(num_spec=llm.engine_config.num_spec)
     masks = llm.runner.structured
     masks.host_seconds, masks.steps, masks.worker_seconds, masks.draft_seconds = 0.0, 0, 0.0, 0.0
+    masks.masked_proposals = 0
     t = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t
     return (outs, elapsed, masks.host_seconds + masks.draft_seconds, masks.steps, llm.stats, masks.worker_seconds,
-            masks.draft_seconds)
+            masks.draft_seconds, masks.masked_proposals)
 
 
 def main(argv=None) -> int:
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
                 llm.runner.graphs.trace_after = 0      # long-lived engine: CPU graphs traced on first use
             run(llm, prompts, params)                  # warm-up: the same generations trace every shape
             # the faster of two timed runs (the machine may be shared)
-            outs, elapsed, host, steps, stats, fill, draft = min((run(llm, prompts, params) for _ in range(2)),
+            outs, elapsed, host, steps, stats, fill, draft, redrafted = min((run(llm, prompts, params) for _ in range(2)),
                                                                  key=lambda r: r[1])
             for o in outs:
                 if o.finish_reason == "stop":
@@ -88,7 +90,8 @@ def main(argv=None) -> int:
                 f"overlap {'on' if overlap else 'off'}")
             print(f"{label:<46} {rate:8.1f} {rate / base_rate:6.2f} {stats.mean_acceptance_length:10.2f} "
                   f"{stats.acceptance_rate:11.2f} {1e3 * host / max(steps, 1):12.3f} "
-                  f"{host / elapsed:10.1%} {1e3 * fill / max(steps, 1):12.3f} {1e3 * draft / max(steps, 1):13.3f}")
+                  f"{host / elapsed:10.1%} {1e3 * fill / max(steps, 1):12.3f} {1e3 * draft / max(steps, 1):13.3f} "
+                  f"{redrafted / max(steps, 1):9.0%}")
             # Closed before the next is built: an LLM closed after another was built gives the
             # process back its thread count, under the next one (which then runs on 2+ threads).
             llm.close()

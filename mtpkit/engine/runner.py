@@ -4,6 +4,9 @@ Prefill steps run eager. A verify step and the drafter's proposals run the step 
 (engine/step_bodies.py), written once: called on the step's own tensors under enforce_eager,
 otherwise captured and replayed on static buffers by graphs/captured.py (CapturedSteps, handed
 the same bodies); padded rows are inert by construction.
+Structured outputs' constrained rows draft under their grammar (structured/draft_masks.py):
+the masked proposal is eager, run at once in eager mode; with graphs only when the captured
+proposal drafted a token a grammar forbids (`_constrained_drafts`).
 
 Under tensor parallelism every rank runs this same code on the same inputs. The sampled tokens,
 accepted counts and drafts decide the next step's inputs on every rank (and so what the model's
@@ -173,6 +176,22 @@ class ModelRunner:
         rows after what they emitted (None without any: the proposal stays captured)."""
         return None if masks is None else self.structured.proposal(reqs, emitted, masks.errors)
 
+    def _constrained_drafts(self, propose, draft_masks) -> list[list[int]]:
+        """A verify step's drafts, `propose(draft_masks)` -> drafts per row. With constrained
+        rows and graphs, the captured proposal runs first and the masked one (eager) only if it
+        drafted a token a grammar forbids (otherwise the masked one would draft the same);
+        eager steps run the masked one at once."""
+        if draft_masks is None:
+            return propose(None)
+        drafts = None if self.graphs is None else propose(None)
+        if drafts is not None and draft_masks.allows_all(drafts):
+            return drafts
+        self.structured.masked_proposals += 1
+        try:
+            return propose(draft_masks)
+        finally:
+            draft_masks.close()
+
     # ---- verify -----------------------------------------------------------------------
     def _verify(self, plan: StepPlan) -> list[ReqResult]:
         reqs, R, B, k = plan.reqs, plan.num_reqs, plan.bundle, plan.bundle - 1
@@ -228,22 +247,16 @@ class ModelRunner:
             step_lps = dict(zip(ask, per_row))
         new_drafts = [[] for _ in reqs]
         if self.drafter is not None:
-            def propose(draft_masks=None):
+            def propose(draft_masks):
                 if self.graphs is not None:
                     drafts_out = self.graphs.propose(tokens, num_emitted, draft_masks)
                 else:  # eager: no padded rows (n == R), so what was emitted is every row's
                     drafts_out = self.bodies.propose(meta.max_seq_len, hidden, tokens.reshape(-1), num_emitted,
                                                      *step, self.cache, draft_masks)
                 return self.tp.broadcast(drafts_out[:R].contiguous()).tolist()
-            new_drafts = propose()
             # constrained rows draft under their grammar (after what they emitted)
             draft_masks = self._draft_masks(reqs, masks, [tok_list[i][:emitted_counts[i]] for i in range(R)])
-            if draft_masks is not None and not draft_masks.allows_all(new_drafts):
-                self.structured.masked_proposals += 1
-                try:
-                    new_drafts = propose(draft_masks)
-                finally:
-                    draft_masks.close()
+            new_drafts = self._constrained_drafts(propose, draft_masks)
         results = [ReqResult(tok_list[i][:emitted_counts[i]], emitted_counts[i], limit_list[i], new_drafts[i])
                    for i in range(R)]
         for i, lps in step_lps.items():
