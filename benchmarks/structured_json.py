@@ -16,6 +16,7 @@ every setting's tokens to equal num_spec=0's (speculation never changes what is 
 
     python benchmarks/structured_json.py
     python benchmarks/structured_json.py --batch 8 --max-tokens 96 --model tiny-gemma4
+    python benchmarks/structured_json.py --enforce-eager      # no graphs (the proposal eager anyway)
 """
 
 import argparse
@@ -53,19 +54,20 @@ def main(argv=None) -> int:
     ap.add_argument("--model", action="append", default=None, help="default: both embedded models")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=80)
+    ap.add_argument("--enforce-eager", action="store_true", help="no graphs: every proposal eager")
     args = ap.parse_args(argv)
     prompts = (PROMPTS * ((args.batch + len(PROMPTS) - 1) // len(PROMPTS)))[:args.batch]
     params = SamplingParams(max_tokens=args.max_tokens,
                             structured_outputs=StructuredOutputs(json=SCHEMA, disable_any_whitespace=True))
     for name in args.model or ["tiny-qwen3-next", "tiny-gemma4"]:
         print(f"== {name}: batch {args.batch}, max_tokens {args.max_tokens}, greedy, schema of "
-              f"{len(SCHEMA['properties'])} fields")
+              f"{len(SCHEMA['properties'])} fields" + (", enforce_eager" if args.enforce_eager else ""))
         print(f"{'setting':<46} {'tok/s':>8} {'ratio':>6} {'accept len':>10} {'accept rate':>11} "
-              f"{'host ms/step':>12} {'host share':>10} {'fill ms/step':>12} {'draft ms/step':>13}")
+              f"{'host ms/step':>12} {'host share':>10} {'fill ms/step':>12} {'draft ms/step':>13} {'redrafted':>9}")
         base_tokens, base_rate = None, None
         for num_spec, subst, masked, overlap in ((0, True, True, True), (3, False, False, True), (3, True, False, True),
                                                  (3, False, True, True), (3, True, True, False), (3, True, True, True)):
-            llm = LLM(name, num_spec=num_spec)
+            llm = LLM(name, num_spec=num_spec, enforce_eager=args.enforce_eager)
             llm.runner.structured.constrained_drafting = subst
             llm.runner.structured.masked_drafting = masked
             llm.runner.structured.overlap = overlap

@@ -17,7 +17,7 @@ known (a graph replays for any count up to its size): its metadata says `num_req
 
 from mtpkit.shapes import Float, Int, Tensor, checked
 from mtpkit.step.cache import CacheTensors
-from mtpkit.step.draft import DraftMasks, Drafter, draft_inputs, verify_outcome
+from mtpkit.step.draft import Drafter, DraftMasks, draft_inputs, verify_outcome
 from mtpkit.step.metadata import PrefillMetadata, UniformMetadata, uniform_metadata
 
 

@@ -81,7 +81,8 @@ def draft_pass_metadata(
     )
 
 
-def pass_mask(inp: DraftInputs, j: int, previous: Int[Tensor, "draft_rows"] | None) -> DraftMask | None:
+def pass_mask(inp: DraftInputs, j: int,
+              previous: Int[Tensor, "draft_rows"] | None) -> DraftMask | None:  # noqa: F821 - a jaxtyping dimension, not a name
     """Pass j's grammar mask (the state after the emitted tokens and drafts 0..j-1; `previous`:
     draft j - 1, None at pass 0), or None when no row is constrained (always when captured)."""
     return None if inp.draft_masks is None else inp.draft_masks(j, previous)
@@ -89,7 +90,7 @@ def pass_mask(inp: DraftInputs, j: int, previous: Int[Tensor, "draft_rows"] | No
 
 @checked
 def draft_argmax(logits: Float[Tensor, "draft_rows vocab"], inp: DraftInputs, j: int,
-                 previous: Int[Tensor, "draft_rows"] | None) -> Int[Tensor, "draft_rows"]:
+                 previous: Int[Tensor, "draft_rows"] | None) -> Int[Tensor, "draft_rows"]:  # noqa: F821 - a jaxtyping dimension, not a name
     """Draft j of every row: the argmax of pass j's logits, masked first (in place) on the
     constrained rows, so that a constrained row drafts a token its grammar allows."""
     mask = pass_mask(inp, j, previous)

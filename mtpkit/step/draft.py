@@ -39,7 +39,7 @@ class DraftMasks:
     It reads the drafts on the host (a round trip per pass), which a trace or a CUDA graph
     could not replay: only eager proposals get one."""
 
-    def __call__(self, j: int, previous: Int[Tensor, "draft_rows"] | None):
+    def __call__(self, j: int, previous: Int[Tensor, "draft_rows"] | None):  # noqa: F821 - a jaxtyping dimension, not a name
         raise NotImplementedError
 
 

@@ -45,7 +45,7 @@ class ProposalMasks(DraftMasks):
         self.passes = 0
         self._index = torch.tensor(rows, dtype=torch.int64, device=device)
 
-    def __call__(self, j: int, previous: Int[Tensor, "draft_rows"] | None) -> DraftMask | None:
+    def __call__(self, j: int, previous: Int[Tensor, "draft_rows"] | None) -> DraftMask | None:  # noqa: F821 - a jaxtyping dimension, not a name
         t0 = time.perf_counter()
         try:
             if j != self.passes:   # the passes come in order: pass j's mask is after draft j - 1
