@@ -12,7 +12,7 @@ phases are exclusive times that partition the step's wall time:
                      copies into the static buffers
     sampling         ModelRunner._sampling, SamplingTensors.from_params
     rejection        rejection_sample
-    step glue        LLM.step, Engine.step, ModelRunner.execute / _verify outside the phases above: the
+    step glue        Engine.advance / Engine.step, ModelRunner.execute / _verify outside the phases above: the
                      UniformRows, the draft limits, the non-finite check, .tolist(), the ReqResults
     bookkeeping      Scheduler.update and _append outside the stop checks
     stop checks      StopStringMatcher.find (in _append), first_stop / partial_stop_len (in the
@@ -64,6 +64,7 @@ from bench_cpu import heldout_prompts  # noqa: E402
 import mtpkit.llm as llm_module  # noqa: E402
 import mtpkit.engine.runner as runner_module  # noqa: E402
 from mtpkit import LLM, SamplingParams  # noqa: E402
+from mtpkit.engine.engine import Engine  # noqa: E402
 from mtpkit.engine.runner import ModelRunner  # noqa: E402
 from mtpkit.engine.scheduler import Scheduler  # noqa: E402
 from mtpkit.graphs.captured import CapturedSteps  # noqa: E402
@@ -214,7 +215,8 @@ def _patches(graphs_only: bool = False) -> list[tuple[object, str, object]]:
     out = [(CapturedSteps, "_trace", _traced(CapturedSteps._trace))]
     if graphs_only:
         return out
-    out.append((llm_module.LLM, "step", _step_boundary(llm_module.LLM.step)))
+    # A call's stream steps through Engine.advance (engine/loop.py), LLM.step through Engine.step.
+    out += [(Engine, name, _step_boundary(getattr(Engine, name))) for name in ("advance", "step")]
     out.append((Scheduler, "schedule", timed(Scheduler.schedule, "schedule", after=_planned)))
     for owner, attr, phase in [
         (CapturedSteps, "verify", "metadata"), (CapturedSteps, "propose", "metadata"),

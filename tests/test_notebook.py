@@ -111,7 +111,7 @@ def test_view_panels_match_outputs_and_stats(llm, fresh_outputs):
 @pytest.mark.parametrize("how", ["stop button", "interrupt"])
 def test_stop_aborts_and_the_next_call_is_clean(llm, fresh_outputs, how, monkeypatch):
     free = _pools(llm)
-    step, calls, at_stop = llm.step, [0], {}
+    step, calls, at_stop = llm.engine.advance, [0], {}   # what watch()'s stream steps with
 
     def stepping():
         calls[0] += 1
@@ -124,7 +124,7 @@ def test_stop_aborts_and_the_next_call_is_clean(llm, fresh_outputs, how, monkeyp
             at_stop["pools"] = _pools(llm)   # right after the click, before watch() returns
         return done
 
-    monkeypatch.setattr(llm, "step", stepping)
+    monkeypatch.setattr(llm.engine, "advance", stepping)
     try:
         outs = nbview.watch(llm, PROMPTS, SamplingParams(max_tokens=40), display=True)
     except KeyboardInterrupt:

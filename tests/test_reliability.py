@@ -249,7 +249,7 @@ def test_abort_from_inside_a_stream_ends_it():
 
 def test_generate_returns_requests_aborted_during_the_call(monkeypatch):
     llm = _engine()
-    real = llm.step
+    real = llm.engine.advance   # what a call's stream steps with (engine/loop.py)
     calls = []
 
     def step():
@@ -257,7 +257,7 @@ def test_generate_returns_requests_aborted_during_the_call(monkeypatch):
         if len(calls) == 3:
             llm.abort([r.req_id for r in llm.scheduler.running[:1]])
         return real()
-    monkeypatch.setattr(llm, "step", step)
+    monkeypatch.setattr(llm.engine, "advance", step)
     outs = llm.generate(PROMPTS[:2], SP)
     assert [o.finish_reason for o in outs] == ["abort", "length"]
     _assert_idle(llm)
