@@ -9,8 +9,10 @@
   docs/design.md). A model without state groups has no slot pool: its requests hold no slots.
 
 `CacheCopies` is what a step copies before it runs: KV blocks (the copy-on-write of a block
-shared by the samples of one prompt) and state slots (a sample's start from its prompt's
-recurrent state); `CacheTensors.apply` does it on the device.
+shared by the samples of one prompt), state slots (a sample's start from its prompt's
+recurrent state), and prefix-cache state snapshots (`CacheTensors.snapshots`, one entry per
+snapshot of every state tensor): saves of a request's state after a block boundary, then
+restores into a request that starts from a hit; `CacheTensors.apply` does it on the device.
 """
 
 import dataclasses
@@ -29,9 +31,24 @@ class CacheCopies:
 
     blocks: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     slots: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    saves: list["StateSave"] = dataclasses.field(default_factory=list)
+    # (snapshot entry, the request's bundle slots): after the saves (a restore may read a
+    # snapshot saved in the same round, or write slots a save reads)
+    restores: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.blocks or self.slots)
+        return bool(self.blocks or self.slots or self.saves or self.restores)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSave:
+    """Save a request's recurrent state into snapshot `entry`: the state after its prefill
+    chunk (`token` None) or after bundle token `token` of its verify step (StateTensor's
+    prefill_slot / window say where that is); stored as a prefill leaves it."""
+
+    slots: tuple[int, ...]
+    token: int | None
+    entry: int
 
 
 def _copy_rows(t: Tensor, pairs: list[tuple[int, int]]) -> None:
@@ -59,6 +76,10 @@ class CacheTensors:
     block_size: int
     pool_index: dict[str, int] = dataclasses.field(default_factory=dict)
     pool_windows: tuple[int | None, ...] = ()   # each pool's sliding window (None: full attention)
+    # Prefix-cache state snapshots, like `state` with entries for slots; and each state's
+    # declaration (where a snapshot copies it from)
+    snapshots: dict[str, list[dict[str, Tensor]]] = dataclasses.field(default_factory=dict)
+    state_specs: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     def num_blocks(self, group: str) -> int:
         return self.kv[group][0][0].shape[0]
@@ -76,11 +97,24 @@ class CacheTensors:
                     for kv in layers:
                         for t in kv:
                             _copy_rows(t, pairs)
-        if copies.slots:
-            for layers in self.state.values():
-                for layer in layers:
-                    for t in layer.values():
+        # Per state tensor: snapshot saves first (they read slots a request may have just
+        # left), then the forked samples' slots, then restores (which may read a save's entry).
+        for g, layers in self.state.items() if copies.slots or copies.saves or copies.restores else ():
+            for i, layer in enumerate(layers):
+                for name, t in layer.items():
+                    spec = self.state_specs[g][name]
+                    snap = self.snapshots[g][i][name] if self.snapshots else None
+                    for save in copies.saves:
+                        if spec.window is None:
+                            snap[save.entry] = t[save.slots[spec.prefill_slot if save.token is None else save.token]]
+                        else:   # the window after the token, where a prefill reads it
+                            start = t.shape[-1] - spec.window if save.token is None else save.token
+                            snap[save.entry, ..., -spec.window:] = \
+                                t[save.slots[spec.prefill_slot], ..., start:start + spec.window]
+                    if copies.slots:
                         _copy_rows(t, copies.slots)
+                    for entry, slots in copies.restores:
+                        t[slots[spec.prefill_slot]] = snap[entry]
 
     def tensors(self) -> tuple[Tensor, ...]:
         """Every tensor, in a fixed order (a captured graph's cache arguments)."""
@@ -93,7 +127,8 @@ class CacheTensors:
         it = iter(flat)
         kv = {g: [(next(it), next(it)) for _ in layers] for g, layers in self.kv.items()}
         state = {g: [{n: next(it) for n in sorted(layer)} for layer in layers] for g, layers in self.state.items()}
-        return CacheTensors(kv, state, self.block_size, self.pool_index, self.pool_windows)
+        return CacheTensors(kv, state, self.block_size, self.pool_index, self.pool_windows, self.snapshots,
+                            self.state_specs)
 
     def sub(self, prefix: str) -> "CacheTensors":
         """The groups named `prefix...`, under their names without it: what a drafter that
@@ -105,9 +140,10 @@ class CacheTensors:
 
 
 def allocate_cache(spec: CacheSpec, *, num_blocks: int | dict[str, int], num_slots: int, block_size: int,
-                   dtype: torch.dtype, device: torch.device) -> CacheTensors:
+                   dtype: torch.dtype, device: torch.device, num_snapshots: int = 0) -> CacheTensors:
     """Zeroed storage for every declared group (zeros keep the null block / slot finite).
-    `num_blocks`: per pool name (an int: the same for every pool)."""
+    `num_blocks`: per pool name (an int: the same for every pool). `num_snapshots`: entries of
+    the prefix cache's state snapshot pool."""
     def zeros(shape, dt=dtype):
         return torch.zeros(shape, dtype=dt, device=device)
 
@@ -120,4 +156,8 @@ def allocate_cache(spec: CacheSpec, *, num_blocks: int | dict[str, int], num_slo
     state = {g.name: [{n: zeros((num_slots,) + t.shape, t.dtype(dtype)) for n, t in g.tensors.items()}
                       for _ in range(g.num_layers)]
              for g in spec.state}
-    return CacheTensors(kv, state, block_size, index, tuple(p.sliding_window for p in pools))
+    snapshots = {g.name: [{n: zeros((num_snapshots,) + t.shape, t.dtype(dtype)) for n, t in g.tensors.items()}
+                          for _ in range(g.num_layers)]
+                 for g in spec.state} if num_snapshots else {}
+    return CacheTensors(kv, state, block_size, index, tuple(p.sliding_window for p in pools), snapshots,
+                        {g.name: dict(g.tensors) for g in spec.state})

@@ -358,7 +358,8 @@ class Qwen3NextForCausalLM(FamilyModel):
         return CacheSpec(
             kv=(_attention_kv_group(cfg, KV_GROUP, len(cfg.full_layers), tp_size),),
             state=(StateGroup(STATE_GROUP, len(cfg.linear_layers), {
-                "conv": StateTensor((cfg.conv_dim // tp_size, cfg.linear_conv_kernel_dim - 1 + num_spec)),
+                "conv": StateTensor((cfg.conv_dim // tp_size, cfg.linear_conv_kernel_dim - 1 + num_spec),
+                                    prefill_slot=0, window=cfg.linear_conv_kernel_dim - 1),
                 "ssm": StateTensor((cfg.linear_num_value_heads // tp_size, cfg.linear_key_head_dim,
                                     cfg.linear_value_head_dim), fp32=True)}),))
 
