@@ -176,7 +176,7 @@ def plan_pools(*, budget: int, weight_bytes: int, activation_bytes: int, activat
 
 def plan_memory(budget: tuple[int, str], spec: CacheSpec, ecfg: EngineConfig, dtype: torch.dtype, *,
                 meta: list[torch.nn.Module], vocab: int, recycle: bool,
-                activation_bytes: int | None = None) -> MemoryPlan:
+                activation_bytes: int | None = None, snapshots: int = 0) -> MemoryPlan:
     """plan_pools for `budget` (memory_plan.budget_of) with the weights of the `meta` models
     (memory_plan.meta_models) and the activations measured (`activation_bytes`, the CUDA
     profile run) or, before any weight is read, estimated."""
