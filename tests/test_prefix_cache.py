@@ -40,11 +40,11 @@ def _prompt(length: int, salt: int = 0) -> list[int]:
     return [(37 * j + 11 * salt) % 90 + 3 for j in range(length)]
 
 
-GREEDY = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=4)
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=4)
 
 
 def _seeded(seed: int = 7) -> SamplingParams:
-    return SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, top_p=0.95, seed=seed, logprobs=4)
+    return SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.9, top_p=0.95, seed=seed, logprobs=4)
 
 
 _REFS: dict = {}
@@ -66,12 +66,22 @@ def _same(out, ref) -> None:
         assert abs(first[t].logprob - want[t].logprob) < 1e-9
 
 
-def _run(llm: LLM, family: str, prompts: list[list[int]], params=GREEDY) -> list[int]:
-    """Each prompt in turn; checks it against the uncached run, returns num_cached_tokens."""
-    cached = []
+def _run(llm: LLM, family: str, prompts: list[list[int]], params=GREEDY, setup=lambda: None) -> list[int]:
+    """Each prompt in turn, from an empty cache (after `setup`); checks each against the
+    uncached run (and its drafts against the same LLM's with the cache emptied first: a wrong
+    drafter KV block changes which drafts are accepted, not the tokens). Returns their
+    num_cached_tokens."""
+    cold = []
     for p in prompts:
+        llm.reset_prefix_cache()
+        cold.append(llm.generate([p], params)[0].token_draft_positions)
+    llm.reset_prefix_cache()
+    setup()
+    cached = []
+    for p, drafts in zip(prompts, cold):
         out = llm.generate([p], params)[0]
         _same(out, _ref(family, p, params))
+        assert out.token_draft_positions == drafts
         cached.append(out.num_cached_tokens)
     return cached
 
@@ -83,11 +93,11 @@ WHOLE = BASE                                       # the same prompt again
 
 
 @pytest.mark.parametrize("family,num_spec", [("qwen3_next", 0), ("qwen3_next", 1), ("qwen3_next", 2),
-                                             ("qwen3_next", 3), ("qwen3_next", 4), ("gemma4", 0), ("gemma4", 3),
+                                             ("qwen3_next", 3), ("qwen3_next", 4), ("gemma4", 3),
                                              ("gemma4_draft_model", 2)])
 def test_hits_equal_uncached(family, num_spec):
     llm = _llm(family, num_spec)
-    llm.reset_prefix_cache()
+    before = llm.stats.prefix_cache
     cached = _run(llm, family, [BASE, BOUNDARY, MID, WHOLE])
     # 80 = the last full block before BASE's last token (a whole-prompt hit leaves it to
     # compute). With the MTP head block 4's key holds token 80 (its MTP KV at 79 was computed
@@ -96,7 +106,8 @@ def test_hits_equal_uncached(family, num_spec):
     mtp = family == "qwen3_next" and num_spec > 0
     assert cached == [0, 0 if mtp else 80, 80, 80]
     stats = llm.stats.prefix_cache
-    assert stats.hit_tokens == sum(cached) and stats.queries == 4 and stats.cached_blocks > 0
+    assert stats.hit_tokens - before.hit_tokens == sum(cached) and stats.cached_blocks > 0
+    assert stats.queries - before.queries == 8    # the runs from an empty cache too
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "gemma4"])
@@ -118,12 +129,11 @@ def test_partially_accepted_then_shared():
     output hits its accepted blocks only, and equals the uncached run."""
     for family in ("qwen3_next", "gemma4"):
         llm = _llm(family, 3)
-        llm.reset_prefix_cache()
-        p = _prompt(40, salt=4)
-        out = llm.generate([p], SamplingParams(max_tokens=45, ignore_eos=True))[0]
+        p, first = _prompt(40, salt=4), SamplingParams(max_tokens=30, ignore_eos=True)
+        out = llm.generate([p], first)[0]
         assert out.spec_stats.num_accepted < out.spec_stats.num_drafted   # some drafts were rejected
         follow = p + out.token_ids + [7, 8]
-        (cached,) = _run(llm, family, [follow])
+        (cached,) = _run(llm, family, [follow], setup=lambda: llm.generate([p], first))
         assert cached == (len(p) + len(out.token_ids)) // BLOCK * BLOCK    # the generated blocks too
 
 
@@ -141,18 +151,18 @@ def test_sliding_window_hit_past_the_window():
     (128 - 63 - read_back) // 16 = 3 on only; the ones below are dropped from the cache
     first (as recycling would reuse them), and the hit still covers 128 tokens."""
     llm = _llm("gemma4", 3)
-    llm.reset_prefix_cache()
     p = _prompt(140, salt=6)
-    _run(llm, "gemma4", [p])
     name = next(n for n in llm.kv_pools.allocators if n.startswith("sliding"))
     alloc = llm.kv_pools[name]
-    keys = extend_keys_of(llm, p)
-    for k in keys[:3]:   # forget the three lowest sliding blocks
-        b = alloc.cache.index[k]
-        alloc.cache.lru.pop(b)
-        del alloc.cache.index[alloc.cache.key_of.pop(b)]
-        alloc._free.append(b)
-    assert _run(llm, "gemma4", [p[:130] + [3, 3]]) == [128]
+
+    def setup():
+        llm.generate([p], GREEDY)
+        for k in extend_keys_of(llm, p)[:3]:   # forget the three lowest sliding blocks
+            b = alloc.cache.index[k]
+            alloc.cache.lru.pop(b)
+            del alloc.cache.index[alloc.cache.key_of.pop(b)]
+            alloc._free.append(b)
+    assert _run(llm, "gemma4", [p[:130] + [3, 3]], setup=setup) == [128]
 
 
 def extend_keys_of(llm: LLM, tokens: list[int]) -> list[bytes]:
@@ -183,7 +193,7 @@ def test_eviction_and_preemption(family):
 def test_five_turn_chat(family):
     llm, plain = _llm(family, 3), _llm(family, 0, cache=False)
     llm.reset_prefix_cache()
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
     msgs, cached = [], []
     for turn in range(5):
         msgs.append({"role": "user", "content": f"turn {turn}: tell me about the number {turn * 7 + 3}"})
@@ -195,7 +205,7 @@ def test_five_turn_chat(family):
 
 
 def test_reset_refused_while_running():
-    llm = _llm("gemma4", 0)
+    llm = _llm("gemma4", 3)
     llm.generate([BASE], GREEDY)
     req = llm.add_request(BASE, GREEDY)
     assert llm.reset_prefix_cache() is False
