@@ -76,6 +76,7 @@ def _run(llm: LLM, family: str, prompts: list[list[int]], params=GREEDY, setup=l
         llm.reset_prefix_cache()
         cold.append(llm.generate([p], params)[0].token_draft_positions)
     llm.reset_prefix_cache()
+    _poison(llm)
     setup()
     cached = []
     for p, drafts in zip(prompts, cold):
@@ -84,6 +85,15 @@ def _run(llm: LLM, family: str, prompts: list[list[int]], params=GREEDY, setup=l
         assert out.token_draft_positions == drafts
         cached.append(out.num_cached_tokens)
     return cached
+
+
+def _poison(llm: LLM) -> None:
+    """NaN in every KV block (nothing is held or cached): a position read from the cache
+    that no step of these runs wrote (the runs above leave stale but right values) shows."""
+    assert not llm.scheduler.has_unfinished()
+    for layers in llm.cache.kv.values():
+        for k, v in layers:
+            k.fill_(float("nan")), v.fill_(float("nan"))
 
 
 BASE = _prompt(90)
@@ -110,6 +120,42 @@ def test_hits_equal_uncached(family, num_spec):
     assert stats.queries - before.queries == 8    # the runs from an empty cache too
 
 
+def _prefilled_kv(llm: LLM, prompt: list[int]) -> dict:
+    """Every KV group's K and V at each position of `prompt` a request holds once its prefill
+    is done (the target's, the MTP head's, the draft model's; a sliding pool from its floor)."""
+    req = llm.add_request(prompt, GREEDY)
+    while req.in_prefill or not req.num_computed:
+        llm.step()
+    cache, bs, kv = llm.cache, BLOCK, {}
+    for g, layers in cache.kv.items():
+        t = req.block_tables[cache.pool_index[g]]
+        pos = [p for p in range(t.floor * bs, len(prompt))]
+        blocks = [t.ids[p // bs] for p in pos]
+        kv[g] = [(k[blocks, [p % bs for p in pos]], v[blocks, [p % bs for p in pos]]) for k, v in layers]
+    llm.abort([req.req_id])
+    return kv
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "gemma4_draft_model"])
+def test_hit_kv_equals_computed(family):
+    """What a hit request reads is what it would have computed: every group's KV (the MTP
+    head's at the block's last position needs the token after it) after a prefill through a
+    hit equals the KV after a prefill from an empty cache, to 1e-12 (float64)."""
+    llm = _llm(family, 2)
+    llm.reset_prefix_cache()
+    cold = _prefilled_kv(llm, BOUNDARY)
+    llm.reset_prefix_cache()
+    llm.generate([BASE], GREEDY)
+    llm.generate([BOUNDARY[:85] + [1]], GREEDY)    # blocks 0..4 of BOUNDARY cached
+    hit = _prefilled_kv(llm, BOUNDARY)
+    assert llm.stats.prefix_cache.hit_tokens > 0
+    for g in cold:
+        for (k0, v0), (k1, v1) in zip(cold[g], hit[g]):
+            n = min(len(k0), len(k1))   # a sliding pool: the positions both still hold (the last ones)
+            assert n >= len(BOUNDARY) - 64
+            assert (k0[-n:] - k1[-n:]).abs().max() < 1e-12 and (v0[-n:] - v1[-n:]).abs().max() < 1e-12, g
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "gemma4"])
 def test_seeded_and_n_samples(family):
     llm = _llm(family, 3)
@@ -125,16 +171,20 @@ def test_seeded_and_n_samples(family):
 
 def test_partially_accepted_then_shared():
     """A request's last verify step accepts part of its drafts (its last block holds rejected
-    drafts' KV past the accepted end); a new request whose prompt is that request's prompt and
-    output hits its accepted blocks only, and equals the uncached run."""
+    drafts' KV past the accepted end), or it ends right after its prefill (the sampled token's
+    KV is never computed); a new request whose prompt is that request's prompt and output hits
+    its accepted blocks only, and equals the uncached run."""
     for family in ("qwen3_next", "gemma4"):
         llm = _llm(family, 3)
-        p, first = _prompt(40, salt=4), SamplingParams(max_tokens=30, ignore_eos=True)
-        out = llm.generate([p], first)[0]
-        assert out.spec_stats.num_accepted < out.spec_stats.num_drafted   # some drafts were rejected
-        follow = p + out.token_ids + [7, 8]
-        (cached,) = _run(llm, family, [follow], setup=lambda: llm.generate([p], first))
-        assert cached == (len(p) + len(out.token_ids)) // BLOCK * BLOCK    # the generated blocks too
+        for length, max_tokens in ((40, 24), (47, 1)):   # each ends at a block's last position
+            p, first = _prompt(length, salt=4), SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            out = llm.generate([p], first)[0]
+            if max_tokens > 1:
+                assert out.spec_stats.num_accepted < out.spec_stats.num_drafted   # some drafts were rejected
+            follow = p + out.token_ids + [7, 8]
+            (cached,) = _run(llm, family, [follow], setup=lambda: llm.generate([p], first))
+            # its blocks below its last position (the generated ones too), not the last one
+            assert cached == (length + max_tokens - 1) // BLOCK * BLOCK
 
 
 def test_snapshot_block_behind_kv():
