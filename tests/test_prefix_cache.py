@@ -12,11 +12,16 @@ is a block behind the KV; a sliding-window hit whose blocks below the window are
 5-turn chat; reset_prefix_cache; the allocator's keys and LRU.
 """
 
+import itertools
+
 import pytest
+import torch
 
 from mtpkit import LLM, SamplingParams
 from mtpkit.engine.allocators import BlockAllocator
+from mtpkit.engine.pool_sizing import plan_pools
 from mtpkit.engine.prefix_cache import BlockCache, extend_keys, root_key
+from mtpkit.step.cache_spec import CacheSpec, KVGroup, StateGroup, StateTensor
 
 BLOCK = 16
 F64 = {"dtype": "float64", "device": "cpu", "max_model_len": 1024, "block_size": BLOCK}
@@ -182,7 +187,7 @@ def test_partially_accepted_then_shared():
             if max_tokens > 1:
                 assert out.spec_stats.num_accepted < out.spec_stats.num_drafted   # some drafts were rejected
             follow = p + out.token_ids + [7, 8]
-            (cached,) = _run(llm, family, [follow], setup=lambda: llm.generate([p], first))
+            (cached,) = _run(llm, family, [follow], setup=lambda llm=llm, p=p, first=first: llm.generate([p], first))
             # its blocks below its last position (the generated ones too), not the last one
             assert cached == (length + max_tokens - 1) // BLOCK * BLOCK
 
@@ -251,7 +256,7 @@ def test_five_turn_chat(family):
         assert out.token_ids == ref.token_ids
         cached.append(out.num_cached_tokens)
         msgs.append({"role": "assistant", "content": out.text})
-    assert cached[0] == 0 and all(b > a for a, b in zip(cached, cached[1:])), cached
+    assert cached[0] == 0 and all(b > a for a, b in itertools.pairwise(cached)), cached
 
 
 def test_reset_refused_while_running():
@@ -269,13 +274,10 @@ def test_reset_refused_while_running():
 
 def test_snapshot_pool_in_memory_plan():
     """The snapshots are part of the budget (a state slot's bytes each) and of the printed plan."""
-    from mtpkit.engine.pool_sizing import plan_pools
-    from mtpkit.step.cache_spec import CacheSpec, KVGroup, StateGroup, StateTensor
-    import torch
     spec = CacheSpec(kv=(KVGroup("a", 2, 2, 8),), state=(StateGroup("s", 3, {"ssm": StateTensor((4, 8, 8))}),))
-    kw = dict(budget=1 << 22, weight_bytes=1 << 20, activation_bytes=1 << 20, activation_source="estimated",
-              spec=spec, block_size=16, dtype=torch.float32, max_blocks=8, bundle=2, max_num_seqs=2,
-              max_model_len=128, source="memory_budget")
+    kw = {"budget": 1 << 22, "weight_bytes": 1 << 20, "activation_bytes": 1 << 20, "activation_source": "estimated",
+          "spec": spec, "block_size": 16, "dtype": torch.float32, "max_blocks": 8, "bundle": 2, "max_num_seqs": 2,
+          "max_model_len": 128, "source": "memory_budget"}
     with_snaps, without = plan_pools(**kw, snapshots=10), plan_pools(**kw)
     per_slot = spec.bytes_per_slot(torch.float32)
     assert with_snaps.num_snapshots == 10 and "10 prefix-cache state snapshots" in with_snaps.summary()

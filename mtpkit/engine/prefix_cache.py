@@ -194,11 +194,11 @@ class PrefixCache:
         the boundary, a sliding pool those its first query there still reads
         (KVPools.keep_from), a stateful model a snapshot at the boundary too."""
         caches = [self.blocks[p.name] for p in pools.pools]
-        k = min(max_blocks, len(keys))
+        longest = min(max_blocks, len(keys))
         for pool, c in zip(pools.pools, caches):
             if pool.sliding_window is None or not pools.recycle:
-                k = next((i for i in range(k) if keys[i] not in c.index), k)
-        for k in range(k, 0, -1):
+                longest = next((i for i in range(longest) if keys[i] not in c.index), longest)
+        for k in range(longest, 0, -1):
             snap = self.snapshots.lookup(keys[k - 1]) if self.stateful else None
             if self.stateful and snap is None:
                 continue
