@@ -33,6 +33,8 @@ _LLMS: dict = {}
 
 
 def _llm(family: str, num_spec: int, cache: bool = True, **kw) -> LLM:
+    if family == "qwen3_next" and cache:   # state snapshots at every block boundary a prefill reaches
+        kw.setdefault("prefix_snapshot_interval", BLOCK)
     key = (family, num_spec, cache, tuple(sorted(kw.items())))
     if key not in _LLMS:
         name, extra = FAMILIES[family]
@@ -116,10 +118,9 @@ def test_hits_equal_uncached(family, num_spec):
     cached = _run(llm, family, [BASE, BOUNDARY, MID, WHOLE])
     # 80 = the last full block before BASE's last token (a whole-prompt hit leaves it to
     # compute). With the MTP head block 4's key holds token 80 (its MTP KV at 79 was computed
-    # from it): BOUNDARY, which differs there, cannot use block 4, and the state snapshot
-    # before 80 would be at 512: no hit.
+    # from it): BOUNDARY, which differs there, cannot use block 4.
     mtp = family == "qwen3_next" and num_spec > 0
-    assert cached == [0, 0 if mtp else 80, 80, 80]
+    assert cached == [0, 64 if mtp else 80, 80, 80]
     stats = llm.stats.prefix_cache
     assert stats.hit_tokens - before.hit_tokens == sum(cached) and stats.cached_blocks > 0
     assert stats.queries - before.queries == 8    # the runs from an empty cache too
@@ -230,7 +231,7 @@ def extend_keys_of(llm: LLM, tokens: list[int]) -> list[bytes]:
 def test_eviction_and_preemption(family):
     """A pool of 14 blocks: the second prompt evicts the first's cached blocks (the last ones
     first); two prompts at once preempt one, which re-prefills through the cache."""
-    llm = _llm(family, 2, num_blocks=14, max_num_seqs=2, max_model_len=200)
+    llm = _llm(family, 2, num_blocks=14, max_num_seqs=2, max_model_len=200, num_prefix_snapshots=32)
     llm.reset_prefix_cache()
     a, b = _prompt(120, salt=7), _prompt(120, salt=8)
     cached = _run(llm, family, [a, b, a[:100] + [3]])
@@ -270,6 +271,12 @@ def test_reset_refused_while_running():
     assert llm.reset_prefix_cache() is True
     assert llm.stats.prefix_cache.cached_blocks == 0
     assert llm.generate([BASE], GREEDY)[0].num_cached_tokens == 0
+    # prompt logprobs are computed, not taken from the cache: every position's is there
+    want = _llm("gemma4", 0, cache=False).generate([BASE], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    out = llm.generate([BASE], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    assert out.num_cached_tokens == 0 and len(out.prompt_logprobs) == len(BASE) == len(want.prompt_logprobs)
+    assert all(abs(a[t].logprob - b[t].logprob) < 1e-9
+               for a, b in zip(out.prompt_logprobs[1:], want.prompt_logprobs[1:]) for t in b)
 
 
 def test_snapshot_pool_in_memory_plan():
