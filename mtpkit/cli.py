@@ -328,20 +328,21 @@ def _main(args) -> int:
 def _serve(args) -> int:
     import mtpkit
     try:
-        from mtpkit.serve import check_single_process, serve
+        from mtpkit.serve import serve
         import fastapi, uvicorn  # noqa: F401, E401 - the optional extra, checked before the model loads
     except ImportError as e:
         print(f"error: mtpkit serve needs FastAPI and uvicorn ({e}): pip install -e \".[serve]\" "
               "(or pip install fastapi uvicorn)", file=sys.stderr)
         return 2
     try:
-        check_single_process()
         api_key = args.api_key or os.environ.get("MTPKIT_API_KEY") or None
         llm = mtpkit.LLM(args.model, num_spec=args.num_spec, draft_model=args.draft_model, dtype=args.dtype,
                          device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                          **memory_kwargs(args))
-        print(f"--- serving {args.model} (num_spec={args.num_spec}) at http://{args.host}:{args.port}/v1"
-              + ("" if api_key else " without an API key"), file=sys.stderr)
+        if llm.tp.rank == 0:   # under tensor parallelism the other ranks follow rank 0's steps
+            print(f"--- serving {args.model} (num_spec={args.num_spec}) at http://{args.host}:{args.port}/v1"
+                  + ("" if api_key else " without an API key")
+                  + (f", {llm.tp.size} tensor-parallel ranks" if llm.tp.size > 1 else ""), file=sys.stderr)
         serve(llm, model_name=args.served_model_name or args.model, host=args.host, port=args.port,
               api_key=api_key, max_body_bytes=args.max_body_bytes, log_level=args.log_level)
     except mtpkit.MtpkitError as e:

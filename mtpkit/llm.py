@@ -20,6 +20,7 @@ from mtpkit.engine.args import EngineArgs
 from mtpkit.engine.build import build_engine, open_checkpoint
 from mtpkit.engine.inputs import (id_sequence, is_bool, normalize_sampling_params, prompt_list, short_repr,
                                   utf8_text)
+from mtpkit.engine.follow import follow as follow_ops
 from mtpkit.engine.loop import run_call, stream_call
 from mtpkit.engine.request import CompletionOutput, Request, RequestOutput, SpecStats, Status
 from mtpkit.errors import InputError
@@ -164,7 +165,7 @@ class LLM:
         try:  # no SamplingParams: the checkpoint's generation_config.json defaults
             params = normalize_sampling_params(params if params is not None else self.generation_defaults.sampling_params())
             params = self._encode_bad_words(params)
-            params.validate(self.model_config.vocab_size)
+            params.validate(self.model_config.vocab_size, self.eos_token_ids)
         except InputError as e:
             raise InputError(f"{where}: {e}") from None
         if params.stop and self.tokenizer is None:
@@ -301,15 +302,20 @@ class LLM:
             live = {r.req_id: r for r in samples}
             texts = {}   # each sample's CompletionOutput as last built (rebuilt when it changes)
             while live:
-                stepped = self.step()
-                # Requests aborted meanwhile (LLM.abort) are in no step: report them too.
-                aborted = [r for r in live.values() if r.status == Status.FINISHED and r not in stepped]
-                for r in stepped + aborted:
+                # The step this caller ran, or the one another caller was running (Engine.advance).
+                stepped = [r for r in self.engine.advance() if r.req_id in live]
+                # Requests that another step advanced or that were aborted (LLM.abort) since this
+                # caller last looked, and are in no step it saw: report them too.
+                others = [r for r in live.values() if r not in stepped and
+                          (r.status == Status.FINISHED or len(r.output_token_ids) > seen[r.req_id])]
+                for r in stepped + others:
                     if r.req_id not in live:
                         continue
-                    # read before yielding: the caller may abort r meanwhile, which must
-                    # still be reported on the next round
-                    new, finished = r.output_token_ids[seen[r.req_id]:], r.status == Status.FINISHED
+                    # read before yielding: the caller may abort r meanwhile, which must still be
+                    # reported on the next round. The status first: another caller's step may
+                    # run meanwhile, and a request read as finished has all its tokens.
+                    finished = r.status == Status.FINISHED
+                    new = r.output_token_ids[seen[r.req_id]:]
                     if new or finished:
                         start, seen[r.req_id] = seen[r.req_id], len(r.output_token_ids)
                         new_lps = None
@@ -353,9 +359,10 @@ class LLM:
 
     # ---- asyncio: each call on a thread of its own, never on the event loop (engine/loop.py)
     def _check_async(self) -> None:
-        if self.engine.tp.size > 1:
-            raise InputError("asyncio calls under tensor parallelism: every rank must make the same calls in the "
-                             "same order, so call generate / stream from one thread on every rank")
+        if self.engine.tp.size > 1 and self.engine.leader is None:
+            raise InputError("asyncio calls under tensor parallelism need rank 0 to lead: `with llm.lead():` on "
+                             "rank 0 and `llm.follow()` on the other ranks (else every rank must make the same "
+                             "calls in the same order, from one thread)")
 
     async def agenerate(self, prompts, sampling_params=None, **kwargs) -> list[RequestOutput]:
         """`await llm.agenerate(...)`: generate() with the same arguments, run on a thread of its
@@ -451,6 +458,35 @@ class LLM:
         except InputError:
             ids = []
         return RequestOutput(self.engine.next_id(), ids, [], "", "error", SpecStats(), msg)
+
+    # ---- tensor parallelism: rank 0 leads, the other ranks follow (engine/follow.py) ----
+    @contextlib.contextmanager
+    def lead(self):
+        """`with llm.lead():` on rank 0 of a tensor-parallel group, while the other ranks call
+        `llm.follow()`: inside the block rank 0 alone makes calls, from any number of threads,
+        asyncio tasks or `mtpkit serve`, and the other ranks replay what changes the schedule
+        (queued requests, aborts, steps, scores). Leaving the block aborts what is still
+        queued or running and ends the followers' `follow()`; then every rank makes the same
+        calls again. Without tensor parallelism it does nothing."""
+        if self.tp.size > 1:
+            if self.tp.rank != 0:
+                raise InputError(f"lead() is rank 0's; rank {self.tp.rank} calls llm.follow()")
+            self.engine.lead(True)
+        try:
+            yield self
+        finally:
+            if self.tp.size > 1 and not self.engine.closed:
+                self.engine.lead(False)
+
+    def follow(self) -> str:
+        """On a tensor-parallel rank other than 0: run what rank 0 runs inside its `lead()`
+        block, until it leaves the block (returns "end") or closes its LLM ("close": this one
+        is closed too). Meanwhile this LLM takes no call from another thread (InputError)."""
+        if self.tp.size == 1:
+            raise InputError("follow() is for tensor-parallel ranks other than 0; this LLM runs alone")
+        if self.tp.rank == 0:
+            raise InputError("rank 0 leads (`with llm.lead():`); the other ranks call follow()")
+        return follow_ops(self.engine, self._enqueue)
 
     # ---- closing --------------------------------------------------------------------
     def close(self) -> None:

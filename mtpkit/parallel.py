@@ -130,6 +130,17 @@ class TP:
             dist.broadcast(x, group=self.group, group_src=src)
         return x
 
+    def broadcast_object(self, obj=None, device: torch.device | None = None):
+        """Rank 0 of this group's picklable `obj` on every rank (the others pass None and get
+        rank 0's). `device`: where the pickled bytes travel (a CUDA device under NCCL; None on
+        CPU / gloo)."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, group=self.group, group_src=0,
+                                   device=device if device is not None and device.type == "cuda" else None)
+        return box[0]
+
     def raise_if_any_failed(self, error: Exception | None, what: str) -> None:
         """Called by every rank after a phase that can fail on some ranks only (reading weights):
         all learn whether any rank failed, and all raise. Otherwise a failed rank exits while the

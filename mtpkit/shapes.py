@@ -97,7 +97,11 @@ DIMS: dict[str, str] = {
     "kv_pools": "KV block pools (engine.kv_pools: full attention, one per sliding window): one block "
                 "table and slot mapping each",
     "num_slots": "recurrent-state slots in the pool (slot 0 is the null slot)",
+    "control_slots": "rows of the generation controls' tables (sampling/controls.py): one per running request "
+                     "that uses a control, slot 0 the neutral row of every other row",
     "num_layers": "layers of one cache group in the model",
+    "num_snapshots": "recurrent-state snapshots one step writes or one copy moves (step.metadata.StateSnapshots)",
+    "snapshot_slots": "rows of the state-snapshot store (CacheTensors.snapshots), one snapshot id each",
 }
 
 # ---------------------------------------------------------------------------------------

@@ -204,3 +204,44 @@ def test_a_cancelled_task_aborts_only_its_own_requests(llms, serial, how):
     assert not mine & {i for ids in later for i in ids}
     assert [[o.token_ids for o in out] for out in results] == want[1:4]
     assert_whole(llm)
+
+
+def test_concurrent_streams_report_their_tokens_at_every_step(llms):
+    """Two streams at once: each sees its request's tokens at every step that advanced it, one
+    token per event (num_spec 0), whichever caller ran the step (Engine.advance), not in bursts
+    at its own next step. Each step is slowed a little (as a real model's is, compared with a
+    caller's reporting) so that a waiting caller is woken and reports before the next step ends."""
+    llm = llms("tiny-qwen3-next", 0)
+    runner, execute = llm.runner, llm.runner.execute
+
+    def slow(plan):
+        out = execute(plan)
+        time.sleep(0.005)
+        return out
+    runner.execute = slow
+    since, go, events, errors = llm.engine.step_log.num_steps, threading.Barrier(2), {}, []
+
+    def caller(c):
+        try:
+            go.wait()
+            events[c] = [(ev.output.request_id, ev.new_token_ids) for ev in
+                         llm.stream(f"{WORDS[c]} {c}", SamplingParams(max_tokens=12, ignore_eos=True))]
+        except BaseException as e:   # noqa: BLE001 - reported below
+            errors.append(e)
+    try:
+        threads = [threading.Thread(target=caller, args=(c,)) for c in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=60)
+    finally:
+        del runner.execute
+    assert not errors, errors
+    steps = [r for r in llm.engine.step_log.records() if r.index >= since]
+    assert any(len(r.request_ids) == 2 for r in steps), "the two streams' requests shared steps"
+    for c in range(2):
+        rid = events[c][0][0]
+        with_tokens = [ids for _, ids in events[c] if ids]
+        assert [len(ids) for ids in with_tokens] == [1] * 12, with_tokens   # never a burst
+        assert len(with_tokens) == sum(rid in r.request_ids for r in steps)
+    assert_whole(llm)

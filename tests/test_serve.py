@@ -235,8 +235,12 @@ def test_32_streaming_clients_one_leaving_midway(server, monkeypatch):
         time.sleep(0.02)
 
 
-def test_serve_refuses_a_launcher_before_loading(monkeypatch, capsys):
-    from mtpkit.cli import main
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(["serve", "tiny-qwen3-next"]) == 2
-    assert "does not run under tensor parallelism" in capsys.readouterr().err
+def test_serve_refuses_replicas_under_a_launcher(monkeypatch):
+    """Under a launcher the server is one tensor-parallel group (rank 0 listens, the others follow:
+    tests/test_tp_follow.py); replicas would each need a listener."""
+    from mtpkit import ConfigError
+    from mtpkit.serve import check_launch
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2"):
+        check_launch(2)
+    check_launch(4)

@@ -231,6 +231,63 @@ def test_conv_prefill(kernels, C, W, num_spec, dtype):
     assert torch.equal(p_tri, p_ref)
 
 
+def _snapshots(rows, positions, qsl):
+    """StateSnapshots after position p of row r (ids in order)."""
+    from mtpkit.step.metadata import StateSnapshots
+
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=DEVICE)
+    return StateSnapshots(rows=t(rows), token_index=t([int(qsl[r]) + p for r, p in zip(rows, positions)]),
+                          ids=t(list(range(len(rows)))[::-1]))
+
+
+def test_gdn_prefill_snapshots(kernels):
+    """State snapshots (tests/test_state_snapshots.py): the Triton prefill stores the state
+    after each requested token, equal to the reference's (which equals the recurrence up to
+    that token); the rest of the store is untouched; the slots are as without snapshots."""
+    tg = kernels[0]
+    g = gen(29)
+    lens, hk, hv, dk, dv = [21, 6, 13], 1, 2, 16, 8
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(g, (sum(lens),), hk, hv, dk, dv, torch.float32)
+    pool = randn(g, 5, hv, dk, dv)
+    qsl = torch.tensor([0] + lens, device=DEVICE).cumsum(0)
+    slots = torch.tensor([1, 2, 3], device=DEVICE)
+    has_init = torch.tensor([True, False, True], device=DEVICE)
+    snaps = _snapshots([0, 0, 0, 1, 2], [0, 7, 20, 3, 12], qsl)
+    store = {n: torch.full((7, hv, dk, dv), float("nan"), device=DEVICE) for n in ("ref", "tri")}
+    p_ref, p_tri, p_plain = pool.clone(), pool.clone(), pool.clone()
+    o_ref = gdn_ref.gated_delta_rule_prefill(q, k, v, a, b, A_log, dt_bias, p_ref, qsl, slots, slots, has_init,
+                                             snapshots=snaps, snapshot_state=store["ref"])
+    o_tri = tg.gated_delta_rule_prefill(q, k, v, a, b, A_log, dt_bias, p_tri, qsl, slots, slots, has_init,
+                                        snapshots=snaps, snapshot_state=store["tri"])
+    tg.gated_delta_rule_prefill(q, k, v, a, b, A_log, dt_bias, p_plain, qsl, slots, slots, has_init)
+    torch.testing.assert_close(o_tri, o_ref, **out_tol(torch.float32))
+    torch.testing.assert_close(store["tri"][:5], store["ref"][:5], atol=2e-5, rtol=2e-5)
+    assert torch.isnan(store["tri"][5:]).all()
+    assert torch.equal(p_tri, p_plain)
+
+
+@pytest.mark.parametrize("num_spec", [0, 2])
+def test_conv_prefill_snapshots(kernels, num_spec):
+    """The Triton conv prefill's snapshots equal the reference's, window columns included."""
+    tc = kernels[1]
+    g = gen(31 + num_spec)
+    C, W, lens = 10, 4, [9, 2, 5]
+    L = W - 1 + num_spec
+    x = randn(g, sum(lens), 2 * C)[:, C:]
+    weight = randn(g, C, W)
+    pool = randn(g, 5, C, L)
+    qsl = torch.tensor([0] + lens, device=DEVICE).cumsum(0)
+    slots = torch.tensor([3, 1, 4], device=DEVICE)
+    has_init = torch.tensor([True, False, True], device=DEVICE)
+    snaps = _snapshots([0, 0, 0, 1, 2, 2], [0, 1, 8, 1, 0, 4], qsl)
+    store = {n: torch.full((6, C, L), float("nan"), device=DEVICE) for n in ("ref", "tri")}
+    p_ref, p_tri = pool.clone(), pool.clone()
+    conv_ref.causal_conv1d_prefill(x, weight, p_ref, qsl, slots, has_init, snaps, store["ref"])
+    tc.causal_conv1d_prefill(x, weight, p_tri, qsl, slots, has_init, snaps, store["tri"])
+    assert torch.equal(store["tri"], store["ref"])      # copies of inputs: exact
+    assert torch.equal(p_tri, p_ref)
+
+
 # ---------------------------------------------------------------------------------------
 # paged attention
 

@@ -17,12 +17,13 @@ import torch
 from mtpkit.config import EngineConfig
 from mtpkit.engine import cpu_threads
 from mtpkit.engine.allocators import SlotAllocator
+from mtpkit.engine.follow import Leader, Op, check_caller
 from mtpkit.engine.kv_pools import KVPools
 from mtpkit.engine.loop import track
 from mtpkit.engine.memory_plan import MemoryPlan
 from mtpkit.engine.pool_sizing import PoolSizes
 from mtpkit.engine.prefix_cache import PrefixCache, PrefixCacheStats
-from mtpkit.engine.request import Request, SpecStats
+from mtpkit.engine.request import Request, SpecStats, Status
 from mtpkit.engine.runner import ModelRunner
 from mtpkit.engine.scheduler import Scheduler
 from mtpkit.engine.step_log import StepLog
@@ -44,6 +45,7 @@ def _serialized(method):
     out of the batch for many steps."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
+        check_caller(self)
         with self._turn:
             self._pending += 1
         try:
@@ -61,6 +63,7 @@ def _steps_wait(method):
     """A step: after the queueings, aborts and scores already waiting, then as _serialized."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
+        check_caller(self)
         with self._turn:
             self._turn.wait_for(lambda: not self._pending)
         with self._lock:
@@ -89,12 +92,38 @@ class Engine:
         self.closed = False
         self._lock = threading.RLock()
         self._turn, self._pending = threading.Condition(threading.Lock()), 0   # calls waiting to go before a step
+        # Steps under way and ended, for callers that wait for another's step (advance)
+        self._steps = threading.Condition(threading.Lock())
+        self._stepping, self._steps_ended, self._last_advanced = 0, 0, []
+        # Tensor parallelism led by rank 0 (engine/follow.py): rank 0's publisher of its ops, or
+        # on a follower the thread replaying them.
+        self.leader: Leader | None = None
+        self.follower_thread: int | None = None
         self.step_log = StepLog()   # the last steps' request ids and token counts (engine/step_log.py)
         self._assemble(cache, pool_sizes)
 
     def next_id(self) -> int:
         """A request id never given before (refused prompts get one too: every output's id is unique)."""
         return next(self._ids)
+
+    def resume_ids(self, first_id: int) -> None:
+        """A follower: the next request id is rank 0's (engine/follow.py)."""
+        self._ids = itertools.count(first_id)
+
+    @_serialized
+    def lead(self, on: bool) -> None:
+        """Rank 0 of a TP group: publish (on) or stop publishing (off: what is unfinished is
+        aborted, then the followers' `follow` returns) every op from now on (engine/follow.py)."""
+        if on and self.leader is None:
+            self.leader = Leader(self.tp, self.device)
+        elif not on and self.leader is not None:
+            self.abort(self.scheduler.unfinished())   # published: the followers free theirs too
+            self.leader.publish(Op("end"))
+            self.leader = None
+
+    def _publish(self, op: Op) -> None:
+        if self.leader is not None:
+            self.leader.publish(op)
 
     def _check_open(self) -> None:
         if self.closed:
@@ -108,6 +137,9 @@ class Engine:
         if self.closed:
             return
         self.closed = True
+        if self.leader is not None:   # the followers close theirs (and abort the same requests)
+            self.leader.publish(Op("close"))
+            self.leader = None
         self.abort(self.scheduler.unfinished())
         if self.threads_held is not None:
             cpu_threads.release(self.threads_held)
@@ -189,15 +221,52 @@ class Engine:
             track(r)   # an asyncio call's thread records its requests, to abort them if cancelled (engine/loop.py)
         for r in samples if not first.forks else [first]:
             self.scheduler.add(r)
+        self._publish(Op("add", tuple(ids), params, first.req_id))
         return first
 
-    @_steps_wait
     def step(self) -> list[Request]:
         """Run one step; returns the requests it advanced."""
+        with self._steps:
+            self._stepping += 1
+        return self._step_and_tell()
+
+    def advance(self) -> list[Request]:
+        """The requests the next step to end advanced: if another caller is running a step, wait
+        for that step's end (not for the engine's lock, which the caller would take only after
+        the step, and then run a step of its own before reporting anything); else run one here.
+        A streaming caller reports its tokens at every step this way, whoever ran it
+        (engine/loop.py). After a step that raised elsewhere, [] (the caller's next advance
+        steps itself)."""
+        with self._steps:
+            if self._stepping:
+                ended = self._steps_ended
+                while self._steps_ended == ended:
+                    self._steps.wait(0.05)   # a timeout: an interrupt of the main thread is seen
+                return self._last_advanced
+            self._stepping += 1
+        return self._step_and_tell()
+
+    def _step_and_tell(self) -> list[Request]:
+        """_step(), counted as under way (self._stepping, already raised) until it ends; then the
+        callers waiting in advance() are woken with what it advanced."""
+        advanced = []
+        try:
+            advanced = self._step()
+            return advanced
+        finally:
+            with self._steps:
+                self._stepping -= 1
+                self._steps_ended += 1
+                self._last_advanced = advanced
+                self._steps.notify_all()
+
+    @_steps_wait
+    def _step(self) -> list[Request]:
         self._check_open()
         plan = self.scheduler.schedule()
         if plan is None:
             return []
+        self._publish(Op("step"))   # a follower's scheduler makes the same plan
         start, emitted = time.monotonic(), sum(len(r.output_token_ids) for r in plan.reqs)
         try:
             results = self.runner.execute(plan)
@@ -223,13 +292,20 @@ class Engine:
     def abort(self, reqs: Sequence[Request]) -> list[Request]:
         """Finish the unfinished ones of `reqs` with "abort" (blocks and slots freed now);
         returns those it aborted."""
+        self._publish_abort(reqs)
         return self.scheduler.abort(list(reqs))
+
+    def _publish_abort(self, reqs: Sequence[Request]) -> None:
+        ids = tuple(r.req_id for r in reqs if r.status != Status.FINISHED)
+        if ids:
+            self._publish(Op("abort", ids))
 
     @_serialized
     def abort_ids(self, request_ids: set[int]) -> list[int]:
         """abort() the queued and running requests with these ids; returns their ids, sorted."""
         sched = self.scheduler
         reqs = [r for r in sched.unfinished() if r.req_id in request_ids]
+        self._publish_abort(reqs)
         return sorted(r.req_id for r in sched.abort(reqs))
 
     # ---- prefix caching -------------------------------------------------------------
@@ -263,6 +339,7 @@ class Engine:
         slots = self.slots.allocate() if self.kv_pools.can_hold(len(ids), chunk_len) else None
         if slots is None:
             raise InputError("score: the caches are full with running requests; call it when they finish")
+        self._publish(Op("score", tuple(ids)))
         tables = self.kv_pools.new_tables()
         try:
             out, start = [], 0

@@ -1,15 +1,19 @@
 """The engine loop: how many callers (threads, asyncio tasks, HTTP clients) share one engine.
 
-There is no driver thread. Every caller's stream steps the engine itself, one step at a time
+There is no driver thread. The callers' streams step the engine themselves, one step at a time
 (Engine's lock: a step, a queueing, an abort or a score), and a step advances every running
-request, whoever queued it. So a request queued by one caller joins the running batch at the
+request, whoever queued it. A caller that finds another caller's step under way waits for that
+step's end (Engine.advance: a condition, not the lock) and reports its tokens then, so every
+stream reports at every step that advanced it; it steps itself only when nobody is. So a request queued by one caller joins the running batch at the
 next step, whichever caller runs it (continuous batching across callers), and a caller waiting
 for the lock loses nothing: the step it waits for advances its requests too. A caller owns only
 its requests: closing or abandoning its stream, an interrupt or an exception in it aborts those
 (LLM.stream's `finally`); an interrupted step's requests start over (Engine.step), so another
-caller's tokens do not change. Why not one background thread that every caller feeds: the
-facade's own stream (detokenizing, stop strings, logprobs, errors='return') stays the one path
-every call takes, and nothing outlives the callers (no thread to start, stop or leak).
+caller's tokens do not change. Why not one background thread that every caller feeds: a stream
+is already told of its tokens at every step (no design does better: benchmarks/stream_gaps.py),
+the facade's own stream (detokenizing, stop strings, logprobs, errors='return') stays the one
+path every call takes, and nothing outlives the callers (no thread to start, stop or leak).
+Under tensor parallelism the callers are rank 0's (engine/follow.py).
 
 asyncio: a call runs on a thread of its own, never on the event loop (`run_call`,
 `stream_call`), its events handed to the loop as they come. The requests the thread queues are

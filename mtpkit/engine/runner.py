@@ -17,7 +17,7 @@ from mtpkit.step.metadata import PrefillChunk, UniformRow, build_prefill, build_
 from mtpkit.config import EngineConfig
 from mtpkit.graphs.plan import CapturePlan
 from mtpkit.graphs.captured import CapturedSteps
-from mtpkit.sampling.controls import controlled_logits
+from mtpkit.sampling.controls import ControlTables, controlled_logits, controls_dtype, dead_end_problem
 from mtpkit.sampling.logprobs import prompt_logprob_dicts, step_logprobs
 from mtpkit.sampling.params import SamplingParams
 from mtpkit.sampling.sampler import SamplingTensors
@@ -38,6 +38,7 @@ class ModelRunner:
         self._all_greedy: dict[int, SamplingTensors] = {}
         self.bodies = StepBodies(model, drafter, ecfg.bundle)
         self.structured = StructuredMasks(device)   # grammar masks (structured outputs)
+        self.control_tables: ControlTables | None = None   # the generation controls' rows, made when first needed
         self.graphs: CapturedSteps | None = None
         if plan is not None:
             self.graphs = CapturedSteps(self.bodies, cache, ecfg, plan, device)
@@ -62,9 +63,34 @@ class ModelRunner:
             return self._prefill(plan)
         return self._verify(plan)
 
+    # ---- generation controls ------------------------------------------------------------
+    def _controls(self, logits, drafts, reqs, captured: bool):
+        """The generation controls (sampling/controls.py) on a step's logits: the same tensor
+        when no row uses one. `captured`: a verify step whose graph-safe part replays on the
+        graphs' static buffers (CapturedSteps.controls), else it runs here on these tensors."""
+        def tables() -> ControlTables:   # one row per running request, made at the first step that needs them
+            if self.control_tables is None:
+                self.control_tables = ControlTables(self.cfg.max_num_seqs + 1, logits.shape[-1],
+                                                    controls_dtype(logits.dtype), self.device)
+            return self.control_tables
+        apply = None
+        if captured:
+            def apply(inputs):
+                return self.graphs.controls(inputs, self.control_tables.tensors())
+        return controlled_logits(logits, drafts, reqs, tables, apply)
+
+    @staticmethod
+    def _live(logits, processed, controlled: bool):
+        """[R, B] 1 where the processed logits leave some token to generate (all 1 when no control
+        or grammar touched them: the raw logits' own check covers those rows)."""
+        if not controlled:
+            return torch.ones(logits.shape[:2], dtype=torch.int64, device=logits.device)
+        return torch.isfinite(processed.amax(-1)).long()
+
     # ---- prefill ----------------------------------------------------------------------
-    def prefill_hidden(self, chunks: list[PrefillChunk]):
-        token_ids, positions, meta = build_prefill(chunks, self.cfg.block_size, self.cfg.max_blocks, self.device)
+    def prefill_hidden(self, chunks: list[PrefillChunk], snapshots: list[tuple[int, int, int]] = ()):
+        token_ids, positions, meta = build_prefill(chunks, self.cfg.block_size, self.cfg.max_blocks, self.device,
+                                                   snapshots)
         return self.model(token_ids, positions, meta, self.cache), positions, meta
 
     def _prefill(self, plan: StepPlan) -> list[ReqResult]:
@@ -72,7 +98,8 @@ class ModelRunner:
         chunks = [PrefillChunk(r.all_token_ids[r.num_computed:r.num_computed + n], r.num_computed,
                                [t.ids for t in r.block_tables], r.state_slots)
                   for r, n in zip(reqs, plan.chunk_lens)]
-        token_ids, positions, meta = build_prefill(chunks, self.cfg.block_size, self.cfg.max_blocks, self.device)
+        token_ids, positions, meta = build_prefill(chunks, self.cfg.block_size, self.cfg.max_blocks, self.device,
+                                                   plan.snapshots)
         hidden = self.model(token_ids, positions, meta, self.cache)
         finishing = [i for i, (r, n) in enumerate(zip(reqs, plan.chunk_lens)) if r.num_computed + n == r.prefill_target]
         results = [ReqResult([], 1, 0, []) for _ in reqs]
@@ -85,16 +112,18 @@ class ModelRunner:
             finishing_reqs = [reqs[i] for i in finishing]
             sampling = self._sampling([r.params for r in finishing_reqs])
             empty = torch.zeros(len(finishing), 0, dtype=torch.int64, device=self.device)
-            processed = controlled_logits(logits, empty, finishing_reqs)   # generation controls
+            processed = self._controls(logits, empty, finishing_reqs, captured=False)   # generation controls
             masks = self.structured.prefill(finishing_reqs)     # structured outputs: the first token's mask
+            controlled = processed is not logits or masks is not None
             if masks is not None:
                 processed = masks.apply(processed, finishing_reqs, keep_raw=processed is logits)
             tokens, _ = rejection_sample(processed, empty, torch.zeros(len(finishing), dtype=torch.int64,
                                                                     device=self.device),
                                          sampling, [r.seed for r in finishing_reqs], [r.prefill_target for r in finishing_reqs])
             bad = (~torch.isfinite(logits.amax(-1)[:, 0])).long()
-            out = self.tp.broadcast(torch.stack([tokens[:, 0], bad], dim=1).contiguous()).tolist()
-            sampled = [t for t, _ in out]
+            live = self._live(logits, processed, controlled)[:, 0]
+            out = self.tp.broadcast(torch.stack([tokens[:, 0], bad, live], dim=1).contiguous()).tolist()
+            sampled = [t for t, _, _ in out]
             ask = [a for a, r in enumerate(finishing_reqs) if r.params.logprobs is not None]
             if ask:
                 raw = logits if masks is None else masks.raw_logits(logits)
@@ -102,11 +131,13 @@ class ModelRunner:
                                         [finishing_reqs[a].params for a in ask], [1] * len(ask))
                 for a, lps in zip(ask, per_row):
                     results[finishing[a]].logprobs = lps
-            for i, (token, nonfinite) in zip(finishing, out):
+            for i, (token, nonfinite, alive) in zip(finishing, out):
                 results[i].emitted = [token]
+                r = reqs[i]
                 if nonfinite:
-                    r = reqs[i]
                     results[i].error = non_finite(r, "the prefill", r.prefill_target - 1)
+                elif not alive:
+                    results[i].error = no_token_left(r, r.prefill_target)
             for a, msg in ({} if masks is None else masks.errors).items():
                 results[finishing[a]].error = msg
         if self.drafter is not None:
@@ -164,6 +195,19 @@ class ModelRunner:
         return self.graphs.prefill_proposal(meta.max_seq_len, *step, meta)
 
     # ---- verify -----------------------------------------------------------------------
+    @staticmethod
+    def _dead_ends(live: list[list[int]], emitted: list[int]) -> dict[int, int]:
+        """Row -> the first bundle position j the row reached (every draft before it accepted)
+        where nothing may be generated, cutting emitted[row] to j in place. Without drafts the
+        request would emit the same j tokens and fail at the next step, so it keeps them and
+        ends there. A dead position after a rejected draft is never reached: nothing happens."""
+        dead = {}
+        for i, row in enumerate(live):
+            j = next((j for j in range(emitted[i]) if not row[j]), None)
+            if j is not None:
+                dead[i], emitted[i] = j, j
+        return dead
+
     def _verify(self, plan: StepPlan) -> list[ReqResult]:
         reqs, R, B, k = plan.reqs, plan.num_reqs, plan.bundle, plan.bundle - 1
         n = plan.num_reqs_padded
@@ -189,12 +233,13 @@ class ModelRunner:
             sampling = self._sampling([r.params for r in reqs])
             # Bundle index j samples the token at position num_computed + 1 + j.
             # The generation controls at every bundle position (drafts before it count as generated).
-            processed = controlled_logits(logits, drafts, reqs)
+            processed = self._controls(logits, drafts, reqs, captured=self.graphs is not None)
             masks = None if pending is None else pending.join()   # the worker's masks, to the device
         except BaseException:
             if pending is not None:   # nothing else touches the matchers while the worker does
                 pending.settle()
             raise
+        controlled = processed is not logits or masks is not None
         if masks is not None:   # after the controls, in place, the constrained rows only
             processed = masks.apply(processed, reqs, keep_raw=processed is logits)
         tokens, num_emitted = rejection_sample(processed, drafts, limit, sampling, [r.seed for r in reqs],
@@ -203,10 +248,13 @@ class ModelRunner:
         # activations) ends its request with an error; the other rows go on. amax shows NaN and
         # +inf (and a row of -inf): two ops per step, the rest on the host.
         finite = torch.isfinite(logits.amax(-1)).long()                     # [R, B]
-        if self.tp.size > 1:  # one broadcast for all three: rank 0 decides
-            both = self.tp.broadcast(torch.cat([tokens, num_emitted[:, None], finite], dim=1))
-            tokens, num_emitted, finite = both[:, :B], both[:, B], both[:, B + 1:]
+        # Where the controls (and a grammar) left no token at all: a dead end (see _dead_ends).
+        live = self._live(logits, processed, controlled)                     # [R, B]
+        if self.tp.size > 1:  # one broadcast for all four: rank 0 decides
+            both = self.tp.broadcast(torch.cat([tokens, num_emitted[:, None], finite, live], dim=1))
+            tokens, num_emitted, finite, live = both[:, :B], both[:, B], both[:, B + 1:2 * B + 1], both[:, 2 * B + 1:]
         emitted_counts, tok_list, finite_list = num_emitted.tolist(), tokens.tolist(), finite.tolist()
+        dead = self._dead_ends(live.tolist(), emitted_counts) if controlled else {}
         # Logprobs before the drafter runs (its replay may reuse the logits' buffers): bundle
         # index j of row i is the target's distribution at the token of position num_computed + 1 + j.
         ask = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
@@ -231,9 +279,19 @@ class ModelRunner:
         for i in range(R):
             if not all(finite_list[i][:limit_list[i] + 1]):
                 results[i].error = non_finite(reqs[i], f"verify step {reqs[i].num_steps}", reqs[i].num_computed)
+            elif i in dead:   # the tokens before the dead end are kept, then the request ends
+                results[i].error = no_token_left(reqs[i], reqs[i].num_computed + 1 + dead[i])
+                results[i].tokens_before_error = dead[i]
         for i, msg in ({} if masks is None else masks.errors).items():
             results[i].error = msg
         return results
+
+
+def no_token_left(r, position: int) -> str:
+    what = dead_end_problem(r.params, r.grammar is not None)
+    return (f"the generation controls left no token that may be generated at position {position} of request "
+            f"{r.req_id} (output token {position - len(r.prompt_token_ids)}): {what} ban every token there; relax "
+            "them (allowed_token_ids that bad_words, min_tokens' stop ids and the grammar do not all exclude)")
 
 
 def non_finite(r, step: str, position: int) -> str:

@@ -55,6 +55,9 @@ class StepPlan:
     # `forked` the samples forked in this round (a step that raises recomputes them too).
     copies: CacheCopies = dataclasses.field(default_factory=CacheCopies)
     forked: list[Request] = dataclasses.field(default_factory=list)
+    # PREFILL: recurrent-state snapshots the step writes, (row in reqs, position within that
+    # row's chunk, snapshot id): the state after that token (step.metadata.StateSnapshots).
+    snapshots: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
@@ -70,6 +73,7 @@ class ReqResult:
     drafted: int                     # VERIFY: drafts that could have been accepted
     drafts: list[int]                # proposals for the next verify step
     error: str | None = None         # the request cannot go on (non-finite logits): it ends with this
+    tokens_before_error: int = 0     # with error: how many of emitted are the request's before it ends
     logprobs: list | None = None     # params.logprobs: one {token: Logprob} per emitted token
     prompt_logprobs: list | None = None   # params.prompt_logprobs: the next prompt positions' dicts
 
@@ -334,12 +338,14 @@ class Scheduler:
         self._release(r)
         r.status, r.num_computed, r.prefill_target, r.drafts, r.prev_num_emitted = Status.WAITING, 0, 0, [], 1
         r.num_preemptions += 1
-        r.controls = None   # rebuilt from prompt + outputs at its next step
         self.waiting.appendleft(r)
 
     def _release(self, r: Request) -> None:
         if r in self.running:
             self.running.remove(r)
+        if r.controls is not None:   # its generation controls' slot (rebuilt from its tokens if it runs again)
+            r.controls.release()
+            r.controls = None
         self._release_blocks(r)
         # Detach before freeing: an interrupt between the two then leaks, never frees twice.
         slots, r.state_slots = r.state_slots, None
@@ -394,8 +400,12 @@ class Scheduler:
             if r.status == Status.FINISHED:
                 continue  # aborted while its step ran (a stream collected by gc mid-step)
             if res.error is not None:
-                r.error = res.error
-                self.finish(r, "error")
+                # The tokens before the position that failed (a dead end of the controls) are
+                # the request's, as they would have been without drafts; then it ends.
+                kept = res.emitted[:res.tokens_before_error]
+                if not (kept and self._append(r, kept, plan.kind == StepKind.VERIFY, res.logprobs)):
+                    r.error = res.error
+                    self.finish(r, "error")
                 finished.append(r)
                 continue
             if plan.kind == StepKind.PREFILL:

@@ -5,6 +5,9 @@
 - `propose`: what rejection sampling emitted -> `verify_outcome` -> DraftInputs -> the
   drafter's proposal (rejection sampling runs between the two, eager: it reads the requests'
   sampling settings on the host);
+- `controls`: the generation controls' graph-safe part (sampling/controls.apply_controls) on
+  the verify body's logits, the drafts it verified and the controls' tables; replayed after
+  `verify` only in a step where some row uses a control;
 - `prefill_proposal`: the proposal after a prefill, for the prompts that finished; `observe`:
   a prefill chunk that samples nothing, for a drafter with its own KV (eager only).
 
@@ -15,7 +18,8 @@ that depend on data, nothing a trace would freeze. Inside a body the real row co
 known (a graph replays for any count up to its size): its metadata says `num_reqs` None.
 """
 
-from mtpkit.shapes import Float, Int, Tensor, checked
+from mtpkit.sampling.controls import apply_controls
+from mtpkit.shapes import Bool, Float, Int, Tensor, checked
 from mtpkit.step.cache import CacheTensors
 from mtpkit.step.draft import Drafter, draft_inputs, verify_outcome
 from mtpkit.step.metadata import PrefillMetadata, UniformMetadata, uniform_metadata
@@ -55,6 +59,19 @@ class StepBodies:
         meta = self._meta(slot_mappings, seq_lens, block_tables, state_slots, prev_num_emitted, max_seq_len)
         hidden = self.model(token_ids, positions, meta, cache)
         return hidden, self.model.compute_logits(hidden)
+
+    @checked
+    def controls(
+        self, logits: Float[Tensor, "num_tokens vocab"], token_ids: Int[Tensor, "num_tokens"],
+        ints: Int[Tensor, "3 num_reqs_padded"], floats: Float[Tensor, "3 num_reqs_padded"],
+        counts: Float[Tensor, "control_slots vocab"], prompt_seen: Bool[Tensor, "control_slots vocab"],
+        static: Float[Tensor, "control_slots vocab"], stop: Bool[Tensor, "control_slots vocab"],
+    ) -> Float[Tensor, "num_reqs_padded bundle vocab"]:
+        """After a verify body: its logits with the controls applied at every bundle position
+        (the drafts d_1..d_k are the step's tokens after each row's first)."""
+        n = ints.shape[1]
+        return apply_controls(logits.view(n, self.bundle, -1), token_ids.view(n, self.bundle)[:, 1:], ints, floats,
+                              counts, prompt_seen, static, stop)
 
     @checked
     def propose(

@@ -9,6 +9,11 @@ n * bundle query tokens):
 - propose[n]: the propose body: the drafter's proposal, reading the verify graph's hidden
   states and tokens and what rejection sampling emitted.
 Rejection sampling runs between them, eager (it reads the requests' sampling settings on the host).
+In a step where some row uses a generation control, a third graph, controls[n], runs the
+controls body (sampling/controls.apply_controls) on verify[n]'s logits and tokens, the
+controls' per-row inputs (static buffers: slot, flag, penalties, min_tokens' positions;
+padded rows neutral) and the controls' tables (read in place); captured / traced when a step
+first needs it, like the others. A step without controls never replays it.
 
 How a graph is captured and replayed depends on the device:
 - CUDA: warm up, capture largest size first into one shared memory pool, replay.
@@ -34,6 +39,7 @@ import torch
 from mtpkit.step.metadata import PrefillMetadata, UniformRow, build_uniform
 from mtpkit.config import EngineConfig
 from mtpkit.step.cache import CacheTensors
+from mtpkit.sampling.controls import NEUTRAL_FLOATS, NEUTRAL_INTS, ControlInputs
 from mtpkit.shapes import Float, Int, Tensor, checked, is_debug
 from mtpkit.graphs.plan import CapturePlan
 from mtpkit.graphs.specialize import private_compilation_unit, specialized
@@ -66,6 +72,8 @@ class Bodies(Protocol):
     def prefill_proposal(self, max_seq_len: int, hidden, token_ids, next_tokens, positions, slot_mappings,
                          last_idx, block_tables, cache: CacheTensors, meta: PrefillMetadata | None = None
                          ) -> Tensor: ...
+
+    def controls(self, logits, token_ids, ints, floats, counts, prompt_seen, static, stop) -> Tensor: ...
 
 
 # Tensor arguments of each body before the cache's (StaticBuffers.inputs for verify).
@@ -147,6 +155,9 @@ class CapturedSteps:
         self._uses: dict = {}             # CPU: replays of each (n, context) so far
         self.prefill_graphs: dict = {}    # CPU: (tokens, n, context) -> traced proposal after a prefill
         self._prefill_uses: dict = {}
+        self.control_graphs: dict = {}    # n -> CUDA graph / traced controls body
+        self._control_uses: dict = {}
+        self._control_buf: tuple[Tensor, ...] | None = None   # ControlInputs.ints / .floats, [3, max_reqs] each
 
     # ---- what is traced or captured -------------------------------------------------------
     # A body with its context length fixed, over flat tensor arguments. The cache tensors are
@@ -354,6 +365,50 @@ class CapturedSteps:
         return fn(pad(hidden, T_pad), pad(token_ids, T_pad), pad(next_tokens, T_pad),
                   pad(positions, T_pad), pad(slot_mappings, T_pad, 1), pad(last_idx, n), pad(block_tables, n, 1),
                   *self.cache.tensors())[:R]
+
+    @checked
+    def controls(self, inputs: ControlInputs, tables: tuple[Tensor, ...]) -> Float[Tensor, "num_reqs bundle vocab"]:
+        """The controls body on the last `verify`'s logits and tokens: `inputs` (the real rows'; padded
+        rows get neutral ones) copied into static buffers, `tables` (ControlTables.tensors(), never
+        reallocated) read in place; replays controls[n] (CUDA graph / CPU trace) or calls the body."""
+        n, B = self._last.num_reqs_padded, self.bundle
+        vals = inputs.tensors()
+        R = vals[0].shape[1]
+        if self._control_buf is None:   # the buffers, and their neutral values (what padded rows get)
+            m = self.plan.sizes[-1]
+            self._control_neutral = tuple(torch.tensor(z, dtype=v.dtype)[:, None].expand(3, m).contiguous().to(
+                self.device) for v, z in zip(vals, (NEUTRAL_INTS, NEUTRAL_FLOATS)))
+            self._control_buf = tuple(t.clone() for t in self._control_neutral)
+        for buf, neutral, v in zip(self._control_buf, self._control_neutral, vals):
+            buf[:, :R].copy_(v)
+            buf[:, R:n].copy_(neutral[:, R:n])
+        args = (self.outputs[n]["logits"], self.buf.token_ids[:n * B]) + tuple(b[:, :n] for b in self._control_buf) \
+            + tuple(tables)
+        if self.cuda:
+            if n not in self.control_graphs:   # pure: warming up on this step's rows writes nothing
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self.bodies.controls(*args)
+                torch.cuda.current_stream().wait_stream(stream)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    self.outputs[n]["controls"] = self.bodies.controls(*args)
+                self.control_graphs[n] = g
+            self.control_graphs[n].replay()
+            return self.outputs[n]["controls"][:R]
+        fn = self.control_graphs.get(n)
+        if fn is None and self.trace and not is_debug():
+            uses = self._control_uses[n] = self._control_uses.get(n, 0) + 1
+            if uses > self.trace_after:
+                try:   # pure: tracing on this step's rows writes nothing
+                    fn = self.control_graphs[n] = self._trace(lambda *a: self.bodies.controls(*a), args, f"controls_{n}")
+                except Exception as e:  # noqa: BLE001 - the direct call below needs no tracer
+                    self._trace_failed(e)
+        if fn is None or not self.trace or is_debug():
+            return self.bodies.controls(*args)[:R]
+        return fn(*args)[:R]
 
     def describe(self) -> str:
         mode = ("CUDA graphs" if self.cuda else "TorchScript traces on CPU" if self.trace

@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from mtpkit.shapes import Bool, Float, Int, Tensor, checked
+from mtpkit.step.metadata import StateSnapshots
 
-__all__ = ["causal_conv1d_prefill", "causal_conv1d_verify"]
+__all__ = ["causal_conv1d_prefill", "causal_conv1d_verify", "write_conv_snapshots"]
 
 
 def _compute_dtype(x: Float[Tensor, "..."]) -> torch.dtype:  # any shape: reads the dtype only
@@ -49,11 +50,14 @@ def causal_conv1d_prefill(
     query_start_loc: Int[Tensor, "num_reqs+1"],
     slots: Int[Tensor, "num_reqs"],
     has_initial_state: Bool[Tensor, "num_reqs"],
+    snapshots: StateSnapshots | None = None,
+    snapshot_state: Float[Tensor, "snapshot_slots conv_dim conv_state_len"] | None = None,
 ) -> Float[Tensor, "num_tokens conv_dim"]:
     """Varlen prefill: request i owns tokens [qsl[i], qsl[i+1]), starts from the window at
     offset conv_state_len - (W-1) of conv_state[slots[i]] (zeros when not
     has_initial_state[i]) and leaves the last conv_state_len columns of [window, x] there.
-    Returns silu(conv(x)) in x's dtype."""
+    `snapshots`: what a prefill ending at each snapshot's token would leave goes to
+    snapshot_state[its id] (write_conv_snapshots). Returns silu(conv(x)) in x's dtype."""
     cd = _compute_dtype(x)
     W, L = weight.shape[1], conv_state.shape[2]
     if L < W - 1:
@@ -73,9 +77,37 @@ def causal_conv1d_prefill(
             out[sl] = _conv_silu(seq[None], weight)[0].T
         # Left zero-padding keeps the newest input in the last column whatever T is.
         new_states.append(F.pad(seq, (max(L - seq.shape[1], 0), 0))[:, -L:])
+    if snapshots is not None:
+        write_conv_snapshots(xc, windows, query_start_loc, snapshots, snapshot_state)
     if new_states:
         conv_state[slots.long()] = torch.stack(new_states).to(conv_state.dtype)
     return out.to(x.dtype)
+
+
+@checked
+def write_conv_snapshots(
+    x: Float[Tensor, "num_tokens conv_dim"],
+    windows: Float[Tensor, "num_reqs conv_dim _"],
+    query_start_loc: Int[Tensor, "num_reqs+1"],
+    snapshots: StateSnapshots,
+    snapshot_state: Float[Tensor, "snapshot_slots conv_dim conv_state_len"],
+) -> None:
+    """snapshot_state[id] = the last conv_state_len columns of [window of its row, the row's
+    inputs up to its token] (zero-padded on the left): the conv state a prefill chunk ending
+    at that token leaves. `windows`: each request's initial W-1 inputs (zeros without initial
+    state), read before the prefill rewrote its slot. Gathers on the device, no host sync;
+    shared by the torch and Triton prefills."""
+    L, Wm1 = snapshot_state.shape[2], windows.shape[2]
+    rows, tok = snapshots.rows, snapshots.token_index
+    start = query_start_loc.to(x.device)[rows][:, None]
+    src = tok[:, None] - (L - 1) + torch.arange(L, device=x.device)         # input index of each column
+    from_x = src >= start
+    col = Wm1 - (start - src)                                                # window column, before the chunk
+    from_win = ~from_x & (col >= 0)
+    xs = x[src.clamp(min=0)]                                                 # [n, L, C]
+    ws = windows[rows[:, None], :, col.clamp(0, Wm1 - 1)] if Wm1 else torch.zeros_like(xs)
+    val = torch.where(from_x[..., None], xs, torch.where(from_win[..., None], ws, 0))
+    snapshot_state.index_copy_(0, snapshots.ids, val.transpose(1, 2).to(snapshot_state.dtype))
 
 
 @checked

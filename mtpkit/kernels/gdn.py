@@ -10,11 +10,14 @@ Math runs in fp32, or in fp64 when the inputs are fp64, so that fp64 engine test
 for 1e-12 agreement; outputs are cast back to v's dtype, states to the pool's dtype.
 """
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 
 from mtpkit.shapes import Bool, Float, Int, Tensor, checked
+from mtpkit.step.metadata import StateSnapshots
 
 __all__ = [
     "gdn_recurrent_core", "gdn_chunked_core", "gdn_prepare",
@@ -60,6 +63,8 @@ def gdn_chunked_core(
     beta: Float[Tensor, "seq_len v_heads"],
     initial_state: Float[Tensor, "v_heads k_dim v_dim"],
     chunk_size: int = 64,
+    snap_at: Sequence[int] = (),
+    snaps: list | None = None,
 ) -> tuple[Float[Tensor, "seq_len v_heads v_dim"], Float[Tensor, "v_heads k_dim v_dim"]]:
     """The same recurrence, chunk by chunk (UT-transform / WY form), exact up to rounding.
 
@@ -72,6 +77,11 @@ def gdn_chunked_core(
     triangular system (I + A) U = beta V - beta exp(G) K S0, solved once per chunk.
     The last chunk may be shorter: it is sliced rather than zero-padded, so no padding
     token ever touches the state.
+
+    snap_at (ascending token indices): the state after each of them is appended to `snaps`
+    (compute dtype), by the last line truncated at t: S_t = exp(G_t) S0 + sum_{j<=t}
+    exp(G_t - G_j) k_j u_j^T (u_j for j <= t does not depend on later tokens), so a state
+    inside a chunk is exact like the one at its end (the same expression there).
     """
     cd = _compute_dtype(q, k, v, initial_state)
     # Head-major: every per-chunk product below is a batched matmul over heads.
@@ -102,6 +112,10 @@ def gdn_chunked_core(
         u = w_v - w_s @ state  # [H, c, dv]
         qk = (qc @ kc.transpose(-1, -2)) * decay  # includes the diagonal (j == t)
         o[:, sl] = (eG * qc) @ state + qk @ u
+        for t in (p - start for p in snap_at if start <= p < sl.stop):
+            inner = (G[:, t:t + 1] - G[:, :t + 1]).exp()  # exp(G_t - G_j), j <= t
+            snaps.append(G[:, t].exp()[:, None, None] * state
+                         + (inner[:, :, None] * kc[:, :t + 1]).transpose(-1, -2) @ u[:, :t + 1])
         tail = (G[:, -1:] - G).exp()  # exp(G_last - G_j)
         state = G[:, -1].exp()[:, None, None] * state + (tail[:, :, None] * kc).transpose(-1, -2) @ u
     return o.transpose(0, 1), state
@@ -154,10 +168,13 @@ def gated_delta_rule_prefill(
     write_slots: Int[Tensor, "num_reqs"],
     has_initial_state: Bool[Tensor, "num_reqs"],
     chunk_size: int = 64,
+    snapshots: StateSnapshots | None = None,
+    snapshot_state: Float[Tensor, "snapshot_slots v_heads k_dim v_dim"] | None = None,
 ) -> Float[Tensor, "num_tokens v_heads v_dim"]:
     """Varlen prefill over packed requests: request i owns tokens [qsl[i], qsl[i+1]),
     starts from ssm_state[read_slots[i]] (zeros when not has_initial_state[i]) and leaves
     its final state in ssm_state[write_slots[i]] (in place, in the pool's dtype).
+    `snapshots`: the state after each snapshot's token goes to snapshot_state[its id] too.
     Returns the core output (before the gated norm) in v's dtype."""
     cd = _compute_dtype(q, k, v)
     qp, kp, g, beta = gdn_prepare(q, k, a, b, A_log, dt_bias, dtype=cd)
@@ -171,25 +188,40 @@ def gated_delta_rule_prefill(
     bounds = query_start_loc.tolist()
     lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     R, T = len(lens), max(lens, default=0)
+    # Snapshots per request: (position in its chunk, snapshot id), ascending.
+    wanted: list[list[tuple[int, int]]] = [[] for _ in range(R)]
+    if snapshots is not None:
+        for row, tok, sid in zip(*(x.tolist() for x in (snapshots.rows, snapshots.token_index, snapshots.ids))):
+            wanted[row].append((tok - bounds[row], sid))
+        for w in wanted:
+            w.sort()
+    snap_ids, snap_states = [], []
     if R > 1 and R * T <= 2 * sum(lens):
-        out, finals = _prefill_padded(qp, kp, vc, g, beta, init, bounds, T, chunk_size)
+        out, finals = _prefill_padded(qp, kp, vc, g, beta, init, bounds, T, chunk_size, wanted, snap_ids,
+                                      snap_states)
     else:  # one request, or lengths too uneven for padding to pay
         out, finals = vc.new_empty(vc.shape), []
         for i in range(R):
             sl = slice(bounds[i], bounds[i + 1])
             out[sl], s_i = gdn_chunked_core(qp[sl], kp[sl], vc[sl], g[sl], beta[sl], init[i],
-                                            chunk_size=chunk_size)
+                                            chunk_size=chunk_size, snap_at=[p for p, _ in wanted[i]],
+                                            snaps=snap_states)
+            snap_ids += [sid for _, sid in wanted[i]]
             finals.append(s_i)
         finals = torch.stack(finals) if finals else None
+    if snap_ids:
+        snapshot_state[torch.tensor(snap_ids, device=snapshot_state.device)] = \
+            torch.stack(snap_states).to(snapshot_state.dtype)
     if finals is not None:
         ssm_state[write_slots.long()] = finals.to(ssm_state.dtype)
     return out.to(v.dtype)
 
 
-def _prefill_padded(q, k, v, g, beta, init, bounds, T, chunk_size):
+def _prefill_padded(q, k, v, g, beta, init, bounds, T, chunk_size, wanted, snap_ids, snap_states):
     """All requests in one chunked pass: pad each to T tokens at the END with g = 0 (no
     decay) and beta = 0 (no write), which leaves the state exactly unchanged, and fold the
-    request dim into the head dim (the recurrence is independent per head)."""
+    request dim into the head dim (the recurrence is independent per head). A snapshot's
+    state is computed for every request's heads at its position and its request's kept."""
     R = len(bounds) - 1
 
     def pad(x):  # [num_tokens, heads, ...] -> [T, R*heads, ...]
@@ -198,8 +230,15 @@ def _prefill_padded(q, k, v, g, beta, init, bounds, T, chunk_size):
             out[i, : bounds[i + 1] - bounds[i]] = x[bounds[i]:bounds[i + 1]]
         return rearrange(out, "r t h ... -> t (r h) ...")
 
+    at = sorted({p for w in wanted for p, _ in w})
+    states: list = []
     o, state = gdn_chunked_core(pad(q), pad(k), pad(v), pad(g), pad(beta),
-                                rearrange(init, "r h dk dv -> (r h) dk dv"), chunk_size=chunk_size)
+                                rearrange(init, "r h dk dv -> (r h) dk dv"), chunk_size=chunk_size,
+                                snap_at=at, snaps=states)
+    for i, w in enumerate(wanted):
+        for p, sid in w:
+            snap_ids.append(sid)
+            snap_states.append(rearrange(states[at.index(p)], "(r h) dk dv -> r h dk dv", r=R)[i])
     o = rearrange(o, "t (r h) dv -> r t h dv", r=R)
     out = torch.cat([o[i, : bounds[i + 1] - bounds[i]] for i in range(R)])
     return out, rearrange(state, "(r h) dk dv -> r h dk dv", r=R)

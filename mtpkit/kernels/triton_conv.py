@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from mtpkit.shapes import Bool, Float, Int, Tensor, checked
+from mtpkit.step.metadata import StateSnapshots
 
 from mtpkit.kernels import conv as ref
 from mtpkit.kernels.triton_common import use_reference
@@ -203,10 +204,14 @@ def causal_conv1d_prefill(
     query_start_loc: Int[Tensor, "num_reqs+1"],
     slots: Int[Tensor, "num_reqs"],
     has_initial_state: Bool[Tensor, "num_reqs"],
+    snapshots: StateSnapshots | None = None,
+    snapshot_state: Float[Tensor, "snapshot_slots conv_dim conv_state_len"] | None = None,
 ) -> Float[Tensor, "num_tokens conv_dim"]:
-    """Triton version of conv.causal_conv1d_prefill (see the module docstring)."""
+    """Triton version of conv.causal_conv1d_prefill (see the module docstring); the state
+    snapshots are torch gathers (ref.write_conv_snapshots) from the windows read first."""
     if use_reference(__name__, x, conv_state):
-        return ref.causal_conv1d_prefill(x, weight, conv_state, query_start_loc, slots, has_initial_state)
+        return ref.causal_conv1d_prefill(x, weight, conv_state, query_start_loc, slots, has_initial_state,
+                                         snapshots, snapshot_state)
     T, C = x.shape
     W, L = weight.shape[1], conv_state.shape[2]
     if L < W - 1:
@@ -218,6 +223,8 @@ def causal_conv1d_prefill(
     qsl = query_start_loc.to(device=x.device).contiguous()
     slots = slots.to(device=x.device).contiguous()
     init = has_initial_state.to(device=x.device, dtype=torch.int32).contiguous()
+    if snapshots is not None:   # the initial windows, before the state launch rewrites the slots
+        windows = torch.where(init[:, None, None] != 0, conv_state[slots.long(), :, L - (W - 1):].float(), 0)
     if T > 0:
         # Request of every token: the last i with qsl[i] <= t (empty requests are skipped).
         tok = torch.arange(T, device=x.device, dtype=qsl.dtype)
@@ -233,4 +240,6 @@ def causal_conv1d_prefill(
         *x.stride(), *conv_state.stride(), C,
         W=W, L=L, LP=triton.next_power_of_2(L), BLOCK_C=BLOCK_C, num_warps=4,
     )
+    if snapshots is not None:
+        ref.write_conv_snapshots(x.float(), windows, qsl, snapshots, snapshot_state)
     return out

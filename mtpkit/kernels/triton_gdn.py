@@ -24,7 +24,9 @@ before the step; the pool is allocated zeroed and this backend never writes slot
 Prefill (`gated_delta_rule_prefill`): on CUDA with fla-core importable, fla's
 `chunk_gated_delta_rule` (varlen via cu_seqlens, q/k L2 norm in kernel). Otherwise an own
 Triton kernel: the same recurrence token by token per (request, value head, value block),
-parallel over requests and heads, sequential over tokens (no chunking). Initial states are
+parallel over requests and heads, sequential over tokens (no chunking). A requested state
+snapshot (metadata.StateSnapshots) is stored as the loop passes its token (fla is not used
+then: it keeps no state inside a sequence). Initial states are
 gathered into a scratch buffer first, so a request's read slot may be another request's
 write slot (the reference's "all reads before any write" holds). The kernels compute in fp32:
 triton_common.use_reference's rule (fp64) sends a call to the torch reference.
@@ -42,6 +44,7 @@ import triton
 import triton.language as tl
 
 from mtpkit.shapes import Bool, Float, Int, Tensor, checked
+from mtpkit.step.metadata import StateSnapshots
 
 from mtpkit.kernels import gdn as ref
 from mtpkit.kernels.triton_common import use_reference
@@ -143,16 +146,18 @@ def _gdn_verify_kernel(
 @triton.jit
 def _gdn_prefill_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, init_ptr, state_ptr, qsl_ptr,
-    wslots_ptr, o_ptr,
+    wslots_ptr, o_ptr, snap_of_ptr, snap_ptr,
     sq_t, sq_h, sq_d,
     sk_t, sk_h, sk_d,
     sv_t, sv_h, sv_d,
     sa_t, sa_h,
     sb_t, sb_h,
     ss_s, ss_h, ss_k, ss_v,
+    sn_s, sn_h, sn_k, sn_v,
     so_t, so_h,
     scale,
     GQA: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_SNAP: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -178,6 +183,13 @@ def _gdn_prefill_kernel(
         b = tl.load(b_ptr + t * sb_t + h * sb_h).to(tl.float32)
         o, S = _gdn_step(S, q, k, v, a, b, A, dt_bias, scale)
         tl.store(o_ptr + t * so_t + h * so_h + offv, o.to(o_ptr.dtype.element_ty), mask=mv)
+        if HAS_SNAP:
+            # snap_of[t]: the snapshot row that receives the state after token t, or -1.
+            sid = tl.load(snap_of_ptr + t).to(tl.int64)
+            wanted = (offv * 0 + sid) >= 0     # broadcast by hand (the interpreter's scalar masks)
+            snap_tile = h * sn_h + offk[:, None].to(tl.int64) * sn_k + offv[None, :].to(tl.int64) * sn_v
+            tl.store(snap_ptr + tl.maximum(sid, 0) * sn_s + snap_tile, S.to(snap_ptr.dtype.element_ty),
+                     mask=mkv & wanted[None, :])
     w = tl.load(wslots_ptr + i).to(tl.int64)
     tile = h * ss_h + offk[:, None].to(tl.int64) * ss_k + offv[None, :].to(tl.int64) * ss_v
     tl.store(state_ptr + w * ss_s + tile, S.to(state_ptr.dtype.element_ty), mask=mkv)
@@ -248,13 +260,17 @@ def gated_delta_rule_prefill(
     write_slots: Int[Tensor, "num_reqs"],
     has_initial_state: Bool[Tensor, "num_reqs"],
     chunk_size: int = 64,
+    snapshots: StateSnapshots | None = None,
+    snapshot_state: Float[Tensor, "snapshot_slots v_heads k_dim v_dim"] | None = None,
 ) -> Float[Tensor, "num_tokens v_heads v_dim"]:
     """gdn.gated_delta_rule_prefill on GPU: fla-core's chunked kernel when importable (CUDA
-    only), else this module's recurrent varlen Triton kernel (chunk_size is then unused).
-    fp64 goes to the torch reference (triton_common.use_reference)."""
+    only) and no snapshot is asked for, else this module's recurrent varlen Triton kernel
+    (chunk_size is then unused), which stores the state after each snapshot's token as it
+    passes it. fp64 goes to the torch reference (triton_common.use_reference)."""
     if use_reference(__name__, q, k, v, ssm_state):
         return ref.gated_delta_rule_prefill(q, k, v, a, b, A_log, dt_bias, ssm_state, query_start_loc,
-                                            read_slots, write_slots, has_initial_state, chunk_size)
+                                            read_slots, write_slots, has_initial_state, chunk_size,
+                                            snapshots, snapshot_state)
     T, HK, DK = q.shape
     HV, DV = v.shape[1], v.shape[2]
     R = read_slots.shape[0]
@@ -266,18 +282,24 @@ def gated_delta_rule_prefill(
     # All initial states are gathered before any final state is written.
     init = ssm_state[torch.where(has_init, read_slots.long(), 0)].to(torch.float32)
     init = torch.where(has_init[:, None, None, None], init, 0).contiguous()
-    if q.device.type == "cuda" and fla_available():
+    if q.device.type == "cuda" and fla_available() and snapshots is None:
         return _prefill_fla(q, k, v, a, b, A_log, dt_bias, ssm_state, query_start_loc, write_slots, init)
     out = torch.empty(T, HV, DV, dtype=v.dtype, device=v.device)
     BK, BV, warps = _blocks(DK, DV)
     grid = (R, HV, triton.cdiv(DV, BV))
+    if snapshots is None:   # unused pointers (HAS_SNAP is off): any tensor
+        snap_of, snap = out, ssm_state
+    else:
+        snap_of = torch.full((T,), -1, dtype=torch.int64, device=q.device)
+        snap_of[snapshots.token_index] = snapshots.ids
+        snap = snapshot_state
     _gdn_prefill_kernel[grid](
         q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), init, ssm_state,
-        query_start_loc.contiguous(), write_slots.contiguous(), out,
+        query_start_loc.contiguous(), write_slots.contiguous(), out, snap_of, snap,
         *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(), *ssm_state.stride(),
-        *out.stride()[:2],
+        *snap.stride(), *out.stride()[:2],
         DK ** -0.5,
-        GQA=HV // HK, DK=DK, DV=DV, BK=BK, BV=BV, num_warps=warps,
+        GQA=HV // HK, DK=DK, DV=DV, BK=BK, BV=BV, HAS_SNAP=snapshots is not None, num_warps=warps,
     )
     return out
 

@@ -67,8 +67,9 @@ class SamplingParams:
                 or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
                 or self.min_tokens > 0)
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise InputError naming the bad field and its valid range."""
+    def validate(self, vocab_size: int | None = None, eos_token_ids=()) -> None:
+        """Raise InputError naming the bad field and its valid range (`eos_token_ids`: the
+        checkpoint's, which min_tokens bans too)."""
         problems = []
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             problems.append(f"max_tokens={self.max_tokens!r} must be an int >= 1")
@@ -107,7 +108,7 @@ class SamplingParams:
                             "samples; set temperature > 0 to sample, or n=1")
         if self.logprobs_mode not in LOGPROBS_MODES:
             problems.append(f"logprobs_mode={self.logprobs_mode!r} must be one of {', '.join(LOGPROBS_MODES)}")
-        problems += _control_problems(self, vocab_size)
+        problems += _control_problems(self, vocab_size, tuple(eos_token_ids))
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 problems.append(f"structured_outputs must be a mtpkit.StructuredOutputs, not "
@@ -129,8 +130,10 @@ def _is_id(t, vocab_size: int | None) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and t >= 0 and (vocab_size is None or t < vocab_size)
 
 
-def _control_problems(p: SamplingParams, vocab_size: int | None) -> list[str]:
-    """The generation controls' problems (ranges as vLLM / OpenAI state them)."""
+def _control_problems(p: SamplingParams, vocab_size: int | None, eos_token_ids: tuple = ()) -> list[str]:
+    """The generation controls' problems (ranges as vLLM / OpenAI state them), and the
+    combinations that ban every token at the first position whatever is generated (the ones
+    that can only arise from the tokens end the request at run time: engine/runner.py)."""
     problems = []
     ids = f"token ids in 0..{vocab_size - 1}" if vocab_size is not None else "token ids >= 0"
     if not _is_number(p.repetition_penalty) or p.repetition_penalty <= 0:
@@ -148,18 +151,20 @@ def _control_problems(p: SamplingParams, vocab_size: int | None) -> list[str]:
             bad = [t for t in p.logit_bias if not _is_id(t, vocab_size)]
             if bad:
                 problems.append(f"logit_bias keys {bad[:8]} are not {ids}")
-            vals = [v for v in p.logit_bias.values() if not _is_number(v)]
+            vals = [v for v in p.logit_bias.values() if not _is_number(v) or not -100 <= v <= 100]
             if vals:
-                problems.append(f"logit_bias values {vals[:8]} must be finite numbers")
+                # OpenAI's range; -100 already bans a token, and a value past fp32's range would
+                # make every logit infinite (use allowed_token_ids / bad_words to ban tokens)
+                problems.append(f"logit_bias values {vals[:8]} must be finite numbers in [-100, 100] (OpenAI's "
+                                "range; -100 bans a token in effect)")
     if p.allowed_token_ids is not None:
         if not isinstance(p.allowed_token_ids, list) or not p.allowed_token_ids:
             problems.append(f"allowed_token_ids={p.allowed_token_ids!r} must be None or a non-empty list of "
                             "token ids")
         elif bad := [t for t in p.allowed_token_ids if not _is_id(t, vocab_size)]:
             problems.append(f"allowed_token_ids {bad[:8]} are not {ids}")
-        elif isinstance(p.bad_words, list) and set(p.allowed_token_ids) <= {
-                w[0] for w in p.bad_words if isinstance(w, list) and len(w) == 1}:
-            problems.append("bad_words ban every one of allowed_token_ids: nothing could be generated")
+        else:
+            problems += _first_token_problems(p, eos_token_ids)
     if p.bad_words is not None:
         words = p.bad_words if isinstance(p.bad_words, list) else None
         if words is None or not all(isinstance(w, (list, str)) and w for w in words):
@@ -174,3 +179,22 @@ def _control_problems(p: SamplingParams, vocab_size: int | None) -> list[str]:
     elif isinstance(p.max_tokens, int) and p.min_tokens > p.max_tokens:
         problems.append(f"min_tokens={p.min_tokens} exceeds max_tokens={p.max_tokens}; lower it or raise max_tokens")
     return problems
+
+
+def _first_token_problems(p: SamplingParams, eos_token_ids: tuple) -> list[str]:
+    """allowed_token_ids all banned at the first output position: by one-token bad_words always,
+    with min_tokens also by the stop ids it bans (stop_token_ids and eos) until then."""
+    singles = {w[0] for w in p.bad_words if isinstance(w, list) and len(w) == 1} if isinstance(
+        p.bad_words, list) else set()
+    allowed = set(p.allowed_token_ids)
+    if allowed <= singles:
+        return [("bad_words ban every one of allowed_token_ids: nothing could be generated; allow a token that no "
+                 "one-token bad word bans")]
+    min_tokens = p.min_tokens if isinstance(p.min_tokens, int) else 0
+    eos = () if p.ignore_eos is True else eos_token_ids   # ignore_eos: eos is no stop id (Engine.add)
+    stops = set(p.stop_token_ids if isinstance(p.stop_token_ids, list) else []) | set(eos)
+    if min_tokens > 0 and allowed <= singles | stops:
+        return [(f"min_tokens={min_tokens} bans the stop ids (stop_token_ids and eos {sorted(stops)[:8]}) until "
+                 "then, and with bad_words they are every one of allowed_token_ids: nothing could be generated "
+                 "first; allow a token that is not a stop id, or set min_tokens=0")]
+    return []

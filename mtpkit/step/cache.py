@@ -8,6 +8,14 @@
   Slot 0 is the null slot. A request owns `bundle` slots (the speculative state contract of
   docs/design.md). A model without state groups has no slot pool: its requests hold no slots.
 
+- State snapshots (optional), the same tensors over `snapshot_slots` rows (one per snapshot
+  id, [snapshot_slots, *shape] per layer and state name): the recurrent state of a request
+  at some position, kept for a later request to resume from (the prefix cache). A prefill
+  step writes them in its kernels (metadata.StateSnapshots); `save_snapshots` /
+  `restore_snapshots` / `save_verify_snapshots` copy between slots and snapshots. A
+  snapshot's bytes are one slot's (`CacheSpec.bytes_per_slot`); docs/design.md, "State
+  snapshots".
+
 `CacheCopies` is what a step copies before it runs: KV blocks (the copy-on-write of a block
 shared by the samples of one prompt), state slots (a sample's start from its prompt's
 recurrent state), and prefix-cache state snapshots (`CacheTensors.snapshots`, one entry per
@@ -16,6 +24,7 @@ restores into a request that starts from a hit; `CacheTensors.apply` does it on 
 """
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -76,10 +85,9 @@ class CacheTensors:
     block_size: int
     pool_index: dict[str, int] = dataclasses.field(default_factory=dict)
     pool_windows: tuple[int | None, ...] = ()   # each pool's sliding window (None: full attention)
-    # Prefix-cache state snapshots, like `state` with entries for slots; and each state's
-    # declaration (where a snapshot copies it from)
+    # snapshots[group][layer][name]: [snapshot_slots, *shape], as `state` (empty: no store).
+    # Not among `tensors()`: no captured step reads or writes them.
     snapshots: dict[str, list[dict[str, Tensor]]] = dataclasses.field(default_factory=dict)
-    state_specs: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     def num_blocks(self, group: str) -> int:
         return self.kv[group][0][0].shape[0]
@@ -87,6 +95,79 @@ class CacheTensors:
     @property
     def num_slots(self) -> int:
         return next((next(iter(layers[0].values())).shape[0] for layers in self.state.values() if layers), 0)
+
+    @property
+    def num_snapshots(self) -> int:
+        """Rows of the snapshot store (0: none allocated)."""
+        return next((next(iter(layers[0].values())).shape[0] for layers in self.snapshots.values() if layers), 0)
+
+    @property
+    def bytes_per_snapshot(self) -> int:
+        """One snapshot's bytes, every state group's layers (== CacheSpec.bytes_per_slot)."""
+        return sum(t[0].numel() * t.element_size() for layers in self.state.values()
+                   for layer in layers for t in layer.values())
+
+    def _slot_pairs(self, slots: Sequence[Sequence[int]], ids: Sequence[int]):
+        """Per state name, the slot of each request that holds it: a request keeps its conv
+        window in its first slot and its recurrent state in its last (a prefill writes them
+        there; docs/design.md, "GDN state under speculation"). Other names: the first."""
+        if len(slots) != len(ids):
+            raise ValueError(f"snapshots: one id per request's slots, got {len(ids)} ids for {len(slots)}")
+        missing = [g for g, layers in self.state.items() if layers and g not in self.snapshots]
+        if missing:
+            raise ValueError(f"no snapshot store for the state groups {missing}: allocate it for the engine's "
+                             "whole CacheSpec (allocate_cache(..., num_snapshots=N) / allocate_snapshots)")
+        first = torch.tensor([s[0] for s in slots], dtype=torch.int64)
+        last = torch.tensor([s[-1] for s in slots], dtype=torch.int64)
+        return {"ssm": last}, first, torch.tensor(list(ids), dtype=torch.int64)
+
+    def save_snapshots(self, slots: Sequence[Sequence[int]], ids: Sequence[int]) -> None:
+        """snapshot ids[i] = the state of the request holding slots[i] (its bundle state
+        slots) as a prefill left it: one indexed copy per tensor."""
+        by_name, first, ids_t = self._slot_pairs(slots, ids)
+        for g, layers in self.state.items():
+            for layer, snap in zip(layers, self.snapshots[g]):
+                for n, t in layer.items():
+                    src = by_name.get(n, first).to(t.device)
+                    snap[n].index_copy_(0, ids_t.to(t.device), t.index_select(0, src).to(snap[n].dtype))
+
+    def restore_snapshots(self, ids: Sequence[int], slots: Sequence[Sequence[int]]) -> None:
+        """The request holding slots[i] resumes from snapshot ids[i]: as if a prefill up to the
+        snapshot's position had run in its slots (its next prefill chunk reads them with
+        has_initial_state). One indexed copy per tensor."""
+        by_name, first, ids_t = self._slot_pairs(slots, ids)
+        for g, layers in self.state.items():
+            for layer, snap in zip(layers, self.snapshots[g]):
+                for n, t in layer.items():
+                    dst = by_name.get(n, first).to(t.device)
+                    t.index_copy_(0, dst, snap[n].index_select(0, ids_t.to(t.device)).to(t.dtype))
+
+    def save_verify_snapshots(self, slots: Sequence[Sequence[int]], positions: Sequence[int],
+                              ids: Sequence[int]) -> None:
+        """After a verify step, snapshot ids[i] = the state of the request holding slots[i]
+        after its bundle position positions[i] (< the tokens it accepted: a rejected draft's
+        state is never saved), before the next step overwrites its slots. The recurrent state
+        after position t is in slot t (the GDN contract); the conv window after it starts at
+        column t of the first slot and is moved to where a prefill leaves it (the last W-1
+        columns), the columns before it zero (nothing reads them). Indexed copies."""
+        _, first, ids_t = self._slot_pairs(slots, ids)
+        at = torch.tensor([s[t] for s, t in zip(slots, positions)], dtype=torch.int64)
+        pos = torch.tensor(list(positions), dtype=torch.int64)
+        for g, layers in self.state.items():
+            for layer, snap in zip(layers, self.snapshots[g]):
+                for n, t in layer.items():
+                    dev = t.device
+                    if n != "conv":
+                        snap[n].index_copy_(0, ids_t.to(dev), t.index_select(0, at.to(dev)).to(snap[n].dtype))
+                        continue
+                    # A slot's conv columns are W-1+num_spec long and its bundle num_spec+1:
+                    # column j of the snapshot is column j - (num_spec - t) of the slot.
+                    L, num_spec = t.shape[-1], len(slots[0]) - 1
+                    col = torch.arange(L, device=dev)[None, :] - (num_spec - pos.to(dev))[:, None]   # [n, L]
+                    rows = t.index_select(0, first.to(dev))                                         # [n, C, L]
+                    moved = rows.gather(2, col.clamp(min=0)[:, None, :].expand_as(rows))
+                    moved = torch.where((col >= 0)[:, None, :], moved, 0)
+                    snap[n].index_copy_(0, ids_t.to(dev), moved.to(snap[n].dtype))
 
     def apply(self, copies: CacheCopies) -> None:
         """Do `copies` (see CacheCopies) on the device."""
@@ -97,24 +178,22 @@ class CacheTensors:
                     for kv in layers:
                         for t in kv:
                             _copy_rows(t, pairs)
-        # Per state tensor: snapshot saves first (they read slots a request may have just
-        # left), then the forked samples' slots, then restores (which may read a save's entry).
-        for g, layers in self.state.items() if copies.slots or copies.saves or copies.restores else ():
-            for i, layer in enumerate(layers):
-                for name, t in layer.items():
-                    spec = self.state_specs[g][name]
-                    snap = self.snapshots[g][i][name] if self.snapshots else None
-                    for save in copies.saves:
-                        if spec.window is None:
-                            snap[save.entry] = t[save.slots[spec.prefill_slot if save.token is None else save.token]]
-                        else:   # the window after the token, where a prefill reads it
-                            start = t.shape[-1] - spec.window if save.token is None else save.token
-                            snap[save.entry, ..., -spec.window:] = \
-                                t[save.slots[spec.prefill_slot], ..., start:start + spec.window]
-                    if copies.slots:
+        # Snapshot saves first (they read slots a request may have just left), then the
+        # forked samples' slots, then restores (which may read a save's entry).
+        prefill = [sv for sv in copies.saves if sv.token is None]
+        verify = [sv for sv in copies.saves if sv.token is not None]
+        if prefill:
+            self.save_snapshots([sv.slots for sv in prefill], [sv.entry for sv in prefill])
+        if verify:
+            self.save_verify_snapshots([sv.slots for sv in verify], [sv.token for sv in verify],
+                                       [sv.entry for sv in verify])
+        if copies.slots:
+            for layers in self.state.values():
+                for layer in layers:
+                    for t in layer.values():
                         _copy_rows(t, copies.slots)
-                    for entry, slots in copies.restores:
-                        t[slots[spec.prefill_slot]] = snap[entry]
+        if copies.restores:
+            self.restore_snapshots([e for e, _ in copies.restores], [sl for _, sl in copies.restores])
 
     def tensors(self) -> tuple[Tensor, ...]:
         """Every tensor, in a fixed order (a captured graph's cache arguments)."""
@@ -127,8 +206,7 @@ class CacheTensors:
         it = iter(flat)
         kv = {g: [(next(it), next(it)) for _ in layers] for g, layers in self.kv.items()}
         state = {g: [{n: next(it) for n in sorted(layer)} for layer in layers] for g, layers in self.state.items()}
-        return CacheTensors(kv, state, self.block_size, self.pool_index, self.pool_windows, self.snapshots,
-                            self.state_specs)
+        return CacheTensors(kv, state, self.block_size, self.pool_index, self.pool_windows, self.snapshots)
 
     def sub(self, prefix: str) -> "CacheTensors":
         """The groups named `prefix...`, under their names without it: what a drafter that
@@ -136,14 +214,23 @@ class CacheTensors:
         def strip(groups):
             return {g[len(prefix):]: v for g, v in groups.items() if g.startswith(prefix)}
         return CacheTensors(strip(self.kv), strip(self.state), self.block_size, strip(self.pool_index),
-                            self.pool_windows)
+                            self.pool_windows, strip(self.snapshots))
+
+
+def allocate_snapshots(spec: CacheSpec, num_snapshots: int, dtype: torch.dtype,
+                       device: torch.device) -> dict[str, list[dict[str, Tensor]]]:
+    """A zeroed snapshot store of `num_snapshots` rows (ids 0..num_snapshots-1), laid out as
+    the state slots (CacheTensors.snapshots); spec.bytes_per_slot(dtype) bytes per row."""
+    return {g.name: [{n: torch.zeros((num_snapshots,) + t.shape, dtype=t.dtype(dtype), device=device)
+                      for n, t in g.tensors.items()} for _ in range(g.num_layers)]
+            for g in spec.state} if num_snapshots else {}
 
 
 def allocate_cache(spec: CacheSpec, *, num_blocks: int | dict[str, int], num_slots: int, block_size: int,
                    dtype: torch.dtype, device: torch.device, num_snapshots: int = 0) -> CacheTensors:
     """Zeroed storage for every declared group (zeros keep the null block / slot finite).
-    `num_blocks`: per pool name (an int: the same for every pool). `num_snapshots`: entries of
-    the prefix cache's state snapshot pool."""
+    `num_blocks`: per pool name (an int: the same for every pool); `num_snapshots`: rows of
+    the state-snapshot store (0: none)."""
     def zeros(shape, dt=dtype):
         return torch.zeros(shape, dtype=dt, device=device)
 
@@ -156,8 +243,5 @@ def allocate_cache(spec: CacheSpec, *, num_blocks: int | dict[str, int], num_slo
     state = {g.name: [{n: zeros((num_slots,) + t.shape, t.dtype(dtype)) for n, t in g.tensors.items()}
                       for _ in range(g.num_layers)]
              for g in spec.state}
-    snapshots = {g.name: [{n: zeros((num_snapshots,) + t.shape, t.dtype(dtype)) for n, t in g.tensors.items()}
-                          for _ in range(g.num_layers)]
-                 for g in spec.state} if num_snapshots else {}
-    return CacheTensors(kv, state, block_size, index, tuple(p.sliding_window for p in pools), snapshots,
-                        {g.name: dict(g.tensors) for g in spec.state})
+    return CacheTensors(kv, state, block_size, index, tuple(p.sliding_window for p in pools),
+                        allocate_snapshots(spec, num_snapshots, dtype, device))

@@ -57,13 +57,6 @@ class KVPool:
 class StateTensor:
     shape: tuple[int, ...]     # one slot's
     fp32: bool = False         # kept in fp32 whatever the model dtype (fp64 when it runs in fp64)
-    # Where the state is between steps (what a prefix-cache snapshot copies): a prefill reads
-    # and leaves it in the request's slot `prefill_slot` of its bundle (-1: the last). A verify
-    # step leaves the state after bundle token t in slot t, unless `window` is set: then the
-    # state is in slot `prefill_slot`, a window of that many columns (last axis) starting at
-    # column t, where a prefill keeps it in the last `window` columns (the conv state).
-    prefill_slot: int = -1
-    window: int | None = None
 
     def dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         if model_dtype == torch.float64 or not self.fp32:

@@ -15,10 +15,16 @@ one pool per sliding window, whose tables hold only the blocks the window can st
 the tables and slot mappings are stacked over pools: `block_tables[pool]`, `slot_mappings[pool]`
 (a layer finds its pool in `CacheTensors.pool_index`).
 
+State snapshots: a prefill step may also write the recurrent state (GDN and conv) as it stands
+after given tokens of its chunks into rows of the snapshot store (`StateSnapshots`, asked for
+as (row, position within the chunk, snapshot id) triples; docs/design.md, "State snapshots").
+None when no snapshot is asked for: nothing else changes, and uniform steps never carry any.
+
 Builders run on the host (lists -> one tensor each) and move every tensor to the device once.
 """
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -47,6 +53,19 @@ class UniformRow:
 
 
 @shaped_dataclass(frozen=True)
+class StateSnapshots:
+    """The snapshots a prefill step writes: snapshot ids[i] receives the recurrent state of
+    request rows[i] as it stands after the step's token token_index[i] (an index into the
+    step's packed tokens: query_start_loc[row] + the position within the chunk), in the
+    layout a prefill ending there leaves in the request's slots (conv: the last
+    conv_state_len inputs, ssm: the state after the token). Token indices are distinct."""
+
+    rows: Int[Tensor, "num_snapshots"]
+    token_index: Int[Tensor, "num_snapshots"]
+    ids: Int[Tensor, "num_snapshots"]
+
+
+@shaped_dataclass(frozen=True)
 class PrefillMetadata:
     seq_lens: Int[Tensor, "num_reqs"]                  # cached prefix + this chunk
     query_start_loc: Int[Tensor, "num_reqs+1"]
@@ -57,6 +76,7 @@ class PrefillMetadata:
     logits_indices: Int[Tensor, "num_reqs"]            # the last token of every chunk
     num_reqs: int
     max_seq_len: int                                   # host copy, so attention needs no sync
+    snapshots: StateSnapshots | None = None            # state snapshots to write (None: none)
 
 
 @shaped_dataclass(frozen=True)
@@ -116,11 +136,28 @@ def _slots(positions: Int[Tensor, "num_tokens"], tables: Int[Tensor, "kv_pools n
     return blocks * block_size + positions % block_size
 
 
+def _snapshots(snapshots, lens: list[int], qsl: Tensor, device: torch.device) -> StateSnapshots | None:
+    """StateSnapshots from (row, position within the chunk, snapshot id) triples (None: none)."""
+    if not snapshots:
+        return None
+    for row, pos, sid in snapshots:
+        if not (0 <= row < len(lens) and 0 <= pos < lens[row]):
+            raise ValueError(f"snapshot ({row}, {pos}, {sid}): position {pos} is not in row {row}'s chunk")
+    if len({(r, p) for r, p, _ in snapshots}) != len(snapshots) or len({s for *_, s in snapshots}) != len(snapshots):
+        raise ValueError("a step writes each snapshot id once and each position at most once")
+    rows = torch.tensor([r for r, _, _ in snapshots], dtype=torch.int64)
+    pos = torch.tensor([p for _, p, _ in snapshots], dtype=torch.int64)
+    return StateSnapshots(rows=rows.to(device), token_index=(qsl[rows] + pos).to(device),
+                          ids=torch.tensor([s for *_, s in snapshots], dtype=torch.int64, device=device))
+
+
 @checked
 def build_prefill(
-    chunks: list[PrefillChunk], block_size: int, max_blocks: int, device: torch.device
+    chunks: list[PrefillChunk], block_size: int, max_blocks: int, device: torch.device,
+    snapshots: Sequence[tuple[int, int, int]] = (),
 ) -> tuple[Int[Tensor, "num_tokens"], Int[Tensor, "num_tokens"], PrefillMetadata]:
-    """token_ids, positions and metadata of a prefill step."""
+    """token_ids, positions and metadata of a prefill step. `snapshots`: (row, position
+    within the row's chunk, snapshot id) triples, the state after that token saved to that id."""
     lens = [len(c.token_ids) for c in chunks]
     for c in chunks:
         need = -(-(c.start + len(c.token_ids)) // block_size)
@@ -142,6 +179,7 @@ def build_prefill(
         logits_indices=(qsl[1:] - 1).to(device),
         num_reqs=len(chunks),
         max_seq_len=int(seq_lens.max()),
+        snapshots=_snapshots(snapshots, lens, qsl, device),
     )
     return token_ids.to(device), positions.to(device), meta
 

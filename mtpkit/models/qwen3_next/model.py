@@ -193,21 +193,28 @@ class GatedDeltaNet(nn.Module):
         b, a = h[:, C + hv * dv:C + hv * dv + hv], h[:, C + hv * dv + hv:]
         state = cache.state[STATE_GROUP][self.state_index]
         conv_state, ssm_state = state["conv"], state["ssm"]
-        if isinstance(meta, PrefillMetadata):
+        prefill = isinstance(meta, PrefillMetadata)
+        # State snapshots asked for by the step (metadata.StateSnapshots): written by the same
+        # kernels, into this layer's rows of the snapshot store. None: the calls are unchanged.
+        snaps = meta.snapshots if prefill else None
+        snap = {} if snaps is None else cache.snapshots[STATE_GROUP][self.state_index]
+        if prefill:
             # A prefill keeps the conv window in the request's first slot and leaves the
             # recurrent state in its last (as if the whole bundle was accepted).
             mixed = self.ops.causal_conv1d_prefill(mixed, self.conv_weight, conv_state, meta.query_start_loc,
-                                                   meta.state_slots[:, 0], meta.has_initial_state)
+                                                   meta.state_slots[:, 0], meta.has_initial_state,
+                                                   snapshots=snaps, snapshot_state=snap.get("conv"))
         else:
             R, B = meta.num_reqs_padded, meta.q_len
             mixed = self.ops.causal_conv1d_verify(mixed.view(R, B, -1), self.conv_weight, conv_state,
                                                   meta.state_slots[:, 0], meta.prev_num_emitted).reshape(T, -1)
         q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.view(T, hk, dk), k.view(T, hk, dk), v.view(T, hv, dv)
-        if isinstance(meta, PrefillMetadata):
+        if prefill:
             last = meta.state_slots[:, -1]
             o = self.ops.gated_delta_rule_prefill(q, k, v, a, b, self.A_log, self.dt_bias, ssm_state,
-                                                  meta.query_start_loc, last, last, meta.has_initial_state)
+                                                  meta.query_start_loc, last, last, meta.has_initial_state,
+                                                  snapshots=snaps, snapshot_state=snap.get("ssm"))
         else:
             R, B = meta.num_reqs_padded, meta.q_len
             o = self.ops.gated_delta_rule_verify(
@@ -358,8 +365,7 @@ class Qwen3NextForCausalLM(FamilyModel):
         return CacheSpec(
             kv=(_attention_kv_group(cfg, KV_GROUP, len(cfg.full_layers), tp_size),),
             state=(StateGroup(STATE_GROUP, len(cfg.linear_layers), {
-                "conv": StateTensor((cfg.conv_dim // tp_size, cfg.linear_conv_kernel_dim - 1 + num_spec),
-                                    prefill_slot=0, window=cfg.linear_conv_kernel_dim - 1),
+                "conv": StateTensor((cfg.conv_dim // tp_size, cfg.linear_conv_kernel_dim - 1 + num_spec)),
                 "ssm": StateTensor((cfg.linear_num_value_heads // tp_size, cfg.linear_key_head_dim,
                                     cfg.linear_value_head_dim), fp32=True)}),))
 
