@@ -279,8 +279,8 @@ class Engine:
             if self.prefix_cache is not None:   # snapshots whose saves may not have run
                 snaps = self.prefix_cache.snapshots
                 snaps.pinned.clear()
-                for save in plan.copies.saves:
-                    snaps.drop(save.entry)
+                for entry in [sv.entry for sv in plan.copies.saves] + [e for _, _, e in plan.snapshots]:
+                    snaps.drop(entry)
             raise
         for r in finished:
             self.stats.merge(r.stats)

@@ -20,11 +20,12 @@ Prefix caching (engine/prefix_cache.py): an admitted request (a recomputed one t
 the longest cached prefix of its tokens that leaves at least one token to compute (the
 sampler needs the last one's logits): its tables take the hit's blocks, and for a model with
 recurrent state a restore of the boundary's snapshot into its slots is queued. After every
-step the blocks below num_computed (accepted tokens only) are keyed. With recurrent state,
-prefill chunks end at snapshot boundaries (every prefix_snapshot_interval tokens) and the
-state there is saved, as it is after a prefill that ends on a block boundary; a verify step
-whose accepted tokens cross a block boundary saves the state after the boundary's token (its
-bundle slot).
+step the blocks below num_computed (accepted tokens only) are keyed. With recurrent state, a
+prefill step writes state snapshots inside its chunks (StepPlan.snapshots: every
+prefix_snapshot_interval tokens and the last full block before the prompt's last token, no
+split chunk), and the state after a prefill that ends on a block boundary is saved; a verify
+step whose accepted tokens cross a block boundary saves the state after the boundary's token
+(its bundle slot).
 """
 
 import collections
@@ -165,24 +166,9 @@ class Scheduler:
         r.forks, r.fork_slots = [], []
 
     def _chunk(self, r: Request, budget: int) -> int:
-        """Tokens of r's next prefill chunk: a sample others fork from stops before the last
-        token; with state snapshots a chunk ends at the next snapshot boundary."""
+        """Tokens of r's next prefill chunk: a sample others fork from stops before the last token."""
         end = r.fork_at if r.forks else r.prefill_target
-        b = self._boundary_after(r.num_computed, r.prefill_target)
-        if b is not None:
-            end = min(end, b)
         return min(end - r.num_computed, budget)
-
-    def _boundary_after(self, pos: int, target: int) -> int | None:
-        """The first snapshot boundary past `pos` and before `target` (prefix caching with
-        recurrent state): the next multiple of the interval. (Not the prompt's last full block
-        too: a chunk of a few tokens more per prompt cost 25% of a batch's time without reuse,
-        measured; a prompt that ends on a block boundary is saved at its end, and decoding
-        saves the boundaries its tokens cross.)"""
-        if self.prefix is None or not self.prefix.stateful:
-            return None
-        b = (pos // self.prefix.snapshot_interval + 1) * self.prefix.snapshot_interval
-        return b if b < target else None
 
     # ---- prefix caching -------------------------------------------------------------
     def _lookup(self, r: Request) -> int | None:
@@ -200,6 +186,26 @@ class Scheduler:
             r.block_tables = self.pools.adopt(entries)
             r.num_keyed, r.num_computed = k, k * self.cfg.block_size
         return snap
+
+    def _plan_snapshots(self, reqs: list[Request], lens: list[int]) -> list[tuple[int, int, int]]:
+        """State snapshots a prefill step writes inside its chunks (recurrent state): after
+        each multiple of the interval and the last full block before the prompt's last token,
+        where the chunk passes them: (row, position within the chunk, snapshot entry)."""
+        if self.prefix is None or not self.prefix.stateful:
+            return []
+        bs, every, out = self.cfg.block_size, self.prefix.snapshot_interval, []
+        for i, (r, n) in enumerate(zip(reqs, lens)):
+            start, end, last = r.num_computed, r.num_computed + n, (r.prefill_target - 1) // bs * bs
+            bounds = set(range((start // every + 1) * every, end + 1, every))
+            if start < last <= end:
+                bounds.add(last)
+            keys = self.prefix.keys(r)
+            for b in sorted(bounds):
+                if b < r.prefill_target and b // bs <= len(keys):
+                    entry = self.prefix.snapshots.take(keys[b // bs - 1])
+                    if entry is not None:
+                        out.append((i, b - 1 - start, entry))
+        return out
 
     def _admitted(self, r: Request, snap: int | None) -> None:
         """r was admitted from its lookup: the restore queued, the counters."""
@@ -231,9 +237,10 @@ class Scheduler:
             return
         snaps = self.prefix.snapshots
         if verify_start is None:
-            # a chunk that ends at an interval boundary, or a prefill that ends on a block's end
+            # a prefill that ends on a block's end (the boundaries inside its chunks were
+            # written by the step: _plan_snapshots; this one's key needs the sampled token)
             pos = r.num_computed
-            if pos % bs or (r.in_prefill and pos % self.prefix.snapshot_interval):
+            if pos % bs or r.in_prefill:
                 return
             entry = snaps.take(keys[pos // bs - 1])
             if entry is not None:
@@ -312,7 +319,8 @@ class Scheduler:
             budget -= n
         if not reqs:
             return None
-        return StepPlan(StepKind.PREFILL, reqs, lens, len(reqs), self.cfg.bundle)
+        return StepPlan(StepKind.PREFILL, reqs, lens, len(reqs), self.cfg.bundle,
+                        snapshots=self._plan_snapshots(reqs, lens))
 
     @property
     def _verify_span(self) -> int:
