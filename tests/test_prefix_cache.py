@@ -40,6 +40,8 @@ def _llm(family: str, num_spec: int, cache: bool = True, **kw) -> LLM:
         name, extra = FAMILIES[family]
         _LLMS[key] = LLM(name, num_spec=num_spec, enable_prefix_caching=cache, **{**F64, **kw},
                          **(extra if num_spec else {}))
+        if num_spec == 3 and _LLMS[key].runner.graphs is not None:
+            _LLMS[key].runner.graphs.trace_after = 0   # the captured (traced) decode path, from the first step
     return _LLMS[key]
 
 
