@@ -3,6 +3,8 @@
 - ``_single_thread`` (autouse, session): ``torch.set_num_threads(1)`` for every test. The tiny
   models gain nothing from intra-op threads, and OpenMP spinning on a loaded 2-core machine made
   the suite several times slower (see tests/oracle.py ``single_thread``).
+- ``_fixed_port_turn`` (autouse, module): the files marked ``fixed_port`` (they start
+  accelerate's launchers, which meet on port 29500) run one at a time under pytest-xdist.
 - ``hf_checkpoint``: a factory ``hf_checkpoint(name, seed, with_mtp=True, lm_head_scale=4.0)``
   returning ``(hf_model, checkpoint_dir)`` for a TINY_CONFIGS entry. Each distinct argument set is
   built and saved once per session (float64 weights on disk, ``mtp.*`` tensors appended when
@@ -52,6 +54,26 @@ def _give_back_memory():
     gc.collect()
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fixed_port_turn(request, tmp_path_factory):
+    """accelerate's debug_launcher and notebook_launcher rendezvous on a fixed port (29500): two
+    such jobs at once (pytest-xdist workers, README's `-n 2`) would meet on it. The files that
+    start one are marked `fixed_port` and take turns, holding a file lock in the run's base
+    directory (shared by the workers) while their tests run; the other files go on meanwhile."""
+    if request.node.get_closest_marker("fixed_port") is None:
+        yield
+        return
+    import fcntl
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    with open(shared / "fixed_port.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -21,6 +21,9 @@ import gemma4_oracle as G
 from mtpkit import LLM
 from test_fp8 import GEMMA_PROMPT, PROMPT, _error, _moe_paths, lossless_activations, make_fp8
 
+# accelerate's launchers meet on a fixed port: this file takes turns with the others that start them (conftest)
+pytestmark = pytest.mark.fixed_port
+
 CASES = {  # name -> (model, block, prompt)
     "qwen-128": ("qwen", (128, 128), PROMPT),
     "qwen-16x32": ("qwen", (16, 32), PROMPT),

@@ -17,6 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gemma4_assistant_oracle as A  # noqa: E402
 import oracle as O  # noqa: E402
 
+# accelerate's launchers meet on a fixed port: this file takes turns with the others that start them (conftest)
+pytestmark = pytest.mark.fixed_port
+
 pytest.importorskip("transformers")
 
 CASES = {"dense_ordered": ("dense", True), "moe": ("moe", False)}

@@ -18,6 +18,9 @@ pytest.importorskip("transformers")
 
 from mtpkit import LLM, SamplingParams  # noqa: E402
 
+# accelerate's launchers meet on a fixed port: this file takes turns with the others that start them (conftest)
+pytestmark = pytest.mark.fixed_port
+
 NAMES = ("dense", "moe", "e2b")
 F64 = dict(dtype="float64", device="cpu", max_model_len=96, max_num_seqs=3, max_num_batched_tokens=16)
 PROMPT_LENS = (1, 9, 30)

@@ -15,6 +15,9 @@ import mtpkit
 from mtpkit import LLM, SamplingParams
 from mtpkit.notebook import view as nbview
 
+# the TP notebook's notebook_launcher meets on a fixed port: this file takes turns with the others (conftest)
+pytestmark = pytest.mark.fixed_port
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):", "import os\n"]
 

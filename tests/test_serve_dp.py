@@ -21,6 +21,9 @@ import torch
 import oracle
 import spec_models
 
+# accelerate's launchers meet on a fixed port: this file takes turns with the others that start them (conftest)
+pytestmark = pytest.mark.fixed_port
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "serve_batch.py"
 CFG = oracle.TINY_CONFIGS["base"]

@@ -226,7 +226,7 @@ def test_sampling_distribution_matches_target(ckdir, params, monkeypatch):
     path = _checkpoint(str(ckdir), "base", 0, "bigram", 0.3, vocab=16)
     prompt = [3, 1, 4, 1, 5]
     expected = _exact_second_token_p(path, prompt, params)
-    n = 2400
+    n = 1200   # the planted bias below gives p < 1e-14 at this n (2.2e-15 and 8e-19 measured)
     for k in (0, 1, 2):
         counts, llm = _second_token_distribution(path, prompt, params, k, n)
         p = _chi2_pvalue(counts, expected)

@@ -279,9 +279,10 @@ def test_bitmask_op_against_a_bit_by_bit_reference():
 # ---- forced tokens, the drafter's favourite token ----------------------------------------
 
 def test_a_schema_of_forced_tokens_accepts_every_draft():
-    """A const object: every token is forced. Constrained drafting replaces the drafter's
-    guesses by the forced tokens, so every draft is accepted; without it fewer are, and the
-    output is the same."""
+    """A const object: every token is forced. Constrained drafting (the forced tokens
+    substituted for the drafter's guesses, and the drafters' own masks: each alone) makes every
+    draft the forced token, so every draft is accepted; without both fewer are, and the output
+    is the same."""
     so = StructuredOutputs(json={"type": "object", "properties": {"a": {"const": "hello world"}}, "required": ["a"],
                                  "additionalProperties": False}, disable_any_whitespace=True)
     llm = _llm("tiny-qwen3-next", 3)
@@ -289,11 +290,19 @@ def test_a_schema_of_forced_tokens_accepts_every_draft():
     on = llm.generate(PROMPTS, sp)
     assert all(o.text == '{"a":"hello world"}' and o.finish_reason == "stop" for o in on)
     assert all(o.spec_stats.num_accepted == o.spec_stats.num_drafted > 0 for o in on)
-    llm.runner.structured.constrained_drafting = False
+    masks = llm.runner.structured
     try:
+        masks.constrained_drafting = False
+        masked_only = llm.generate(PROMPTS, sp)
+        masks.masked_drafting, masks.constrained_drafting = False, True
+        substituted_only = llm.generate(PROMPTS, sp)
+        masks.constrained_drafting = False
         off = llm.generate(PROMPTS, sp)
     finally:
-        llm.runner.structured.constrained_drafting = True
+        masks.constrained_drafting = masks.masked_drafting = True
+    for alone in (masked_only, substituted_only):
+        assert [o.token_ids for o in alone] == [o.token_ids for o in on]
+        assert all(o.spec_stats.num_accepted == o.spec_stats.num_drafted > 0 for o in alone)
     assert [o.token_ids for o in off] == [o.token_ids for o in on]
     assert sum(o.spec_stats.num_accepted for o in off) < sum(o.spec_stats.num_accepted for o in on)
 
@@ -307,7 +316,11 @@ def test_a_regex_forbidding_the_drafters_favourite_token():
     regex = "[a-z]{4,12}(-[a-z]{4,12}){2}"
     assert not re.fullmatch("[a-z-]", text), text     # the regex forbids it everywhere
     sp = SamplingParams(max_tokens=60, structured_outputs=StructuredOutputs(regex=regex))
-    outs = llm.generate(PROMPTS, sp)
+    llm.runner.structured.masked_drafting = False    # the drafters' own masks: test_structured_drafts.py
+    try:
+        outs = llm.generate(PROMPTS, sp)
+    finally:
+        llm.runner.structured.masked_drafting = True
     for o in outs:
         assert o.finish_reason == "stop" and re.fullmatch(regex, o.text), o.text
         assert favourite not in o.token_ids

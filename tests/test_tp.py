@@ -25,6 +25,9 @@ from mtpkit import LLM, ConfigError, SamplingParams
 from mtpkit.layers.linear import KVParallelLinear
 from mtpkit.parallel import TP
 
+# accelerate's launchers meet on a fixed port: this file takes turns with the others that start them (conftest)
+pytestmark = pytest.mark.fixed_port
+
 ROOT = Path(__file__).resolve().parent.parent
 F64 = dict(dtype="float64", device="cpu", max_model_len=128, max_num_seqs=3)
 # base: GQA 4/2, GDN 2 key / 4 value heads. kv1: one KV head on two ranks (replicated) and a

@@ -4,6 +4,9 @@ Prefill steps run eager. A verify step and the drafter's proposals run the step 
 (engine/step_bodies.py), written once: called on the step's own tensors under enforce_eager,
 otherwise captured and replayed on static buffers by graphs/captured.py (CapturedSteps, handed
 the same bodies); padded rows are inert by construction.
+Structured outputs' constrained rows draft under their grammar (structured/draft_masks.py):
+the masked proposal is eager, run at once in eager mode; with graphs only when the captured
+proposal drafted a token a grammar forbids (`_constrained_drafts`).
 
 Under tensor parallelism every rank runs this same code on the same inputs. The sampled tokens,
 accepted counts and drafts decide the next step's inputs on every rank (and so what the model's
@@ -155,7 +158,12 @@ class ModelRunner:
             step = (hidden, token_ids, torch.tensor(following, dtype=torch.int64, device=self.device), positions,
                     meta.slot_mappings, meta.logits_indices[rows], meta.block_tables[:, rows])
             if finishing:
-                drafts = self._prefill_drafts(meta, step)
+                draft_masks = self._draft_masks(finishing_reqs, masks, [[t] for t in sampled])
+                try:
+                    drafts = self._prefill_drafts(meta, step, draft_masks)
+                finally:
+                    if draft_masks is not None:
+                        draft_masks.close()
                 drafts = self.tp.broadcast(drafts.contiguous())
                 for i, d in zip(finishing, drafts.tolist()):
                     results[i].drafts = d
@@ -188,11 +196,32 @@ class ModelRunner:
                 results[i].prompt_logprobs = []
             results[i].prompt_logprobs.append(d)
 
-    def _prefill_drafts(self, meta, step: tuple):
+    def _prefill_drafts(self, meta, step: tuple, draft_masks=None):
         """The proposal after a prefill: the body, through CapturedSteps when there are graphs."""
         if self.graphs is None:
-            return self.bodies.prefill_proposal(meta.max_seq_len, *step, self.cache, meta)
-        return self.graphs.prefill_proposal(meta.max_seq_len, *step, meta)
+            return self.bodies.prefill_proposal(meta.max_seq_len, *step, self.cache, meta, draft_masks)
+        return self.graphs.prefill_proposal(meta.max_seq_len, *step, meta, draft_masks)
+
+    def _draft_masks(self, reqs: list, masks, emitted: list[list[int]]):
+        """Constrained drafting: the drafter's per-pass grammar masks for the step's constrained
+        rows after what they emitted (None without any: the proposal stays captured)."""
+        return None if masks is None else self.structured.proposal(reqs, emitted, masks.errors)
+
+    def _constrained_drafts(self, propose, draft_masks) -> list[list[int]]:
+        """A verify step's drafts, `propose(draft_masks)` -> drafts per row. With constrained
+        rows and graphs, the captured proposal runs first and the masked one (eager) only if it
+        drafted a token a grammar forbids (otherwise the masked one would draft the same);
+        eager steps run the masked one at once."""
+        if draft_masks is None:
+            return propose(None)
+        drafts = None if self.graphs is None else propose(None)
+        if drafts is not None and draft_masks.allows_all(drafts):
+            return drafts
+        self.structured.masked_proposals += 1
+        try:
+            return propose(draft_masks)
+        finally:
+            draft_masks.close()
 
     # ---- verify -----------------------------------------------------------------------
     @staticmethod
@@ -266,12 +295,16 @@ class ModelRunner:
             step_lps = dict(zip(ask, per_row))
         new_drafts = [[] for _ in reqs]
         if self.drafter is not None:
-            if self.graphs is not None:
-                drafts_out = self.graphs.propose(tokens, num_emitted)
-            else:  # eager: no padded rows (n == R), so what was emitted is every row's
-                drafts_out = self.bodies.propose(meta.max_seq_len, hidden, tokens.reshape(-1), num_emitted, *step,
-                                                 self.cache)
-            new_drafts = self.tp.broadcast(drafts_out[:R].contiguous()).tolist()
+            def propose(draft_masks):
+                if self.graphs is not None:
+                    drafts_out = self.graphs.propose(tokens, num_emitted, draft_masks)
+                else:  # eager: no padded rows (n == R), so what was emitted is every row's
+                    drafts_out = self.bodies.propose(meta.max_seq_len, hidden, tokens.reshape(-1), num_emitted,
+                                                     *step, self.cache, draft_masks)
+                return self.tp.broadcast(drafts_out[:R].contiguous()).tolist()
+            # constrained rows draft under their grammar (after what they emitted)
+            draft_masks = self._draft_masks(reqs, masks, [tok_list[i][:emitted_counts[i]] for i in range(R)])
+            new_drafts = self._constrained_drafts(propose, draft_masks)
         results = [ReqResult(tok_list[i][:emitted_counts[i]], emitted_counts[i], limit_list[i], new_drafts[i])
                    for i in range(R)]
         for i, lps in step_lps.items():

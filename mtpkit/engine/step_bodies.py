@@ -21,7 +21,7 @@ known (a graph replays for any count up to its size): its metadata says `num_req
 from mtpkit.sampling.controls import apply_controls
 from mtpkit.shapes import Bool, Float, Int, Tensor, checked
 from mtpkit.step.cache import CacheTensors
-from mtpkit.step.draft import Drafter, draft_inputs, verify_outcome
+from mtpkit.step.draft import Drafter, DraftMasks, draft_inputs, verify_outcome
 from mtpkit.step.metadata import PrefillMetadata, UniformMetadata, uniform_metadata
 
 
@@ -83,14 +83,16 @@ class StepBodies:
         block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"],
         state_slots: Int[Tensor, "num_reqs_padded bundle"],
         prev_num_emitted: Int[Tensor, "num_reqs_padded"], cache: CacheTensors,
+        draft_masks: DraftMasks | None = None,
     ) -> Int[Tensor, "num_reqs_padded num_spec"]:
         """After a verify step that emitted emitted[i*bundle : i*bundle + num_emitted[i]] for
-        row i (padded rows: one token 0): the drafts of every row."""
+        row i (padded rows: one token 0): the drafts of every row (`draft_masks`: the
+        constrained rows' grammar masks per pass, eager only)."""
         n = num_emitted.shape[0]
         next_tokens, last_idx = verify_outcome(token_ids.view(n, -1), emitted.view(n, -1), num_emitted)
         meta = self._meta(slot_mappings, seq_lens, block_tables, state_slots, prev_num_emitted, max_seq_len)
         inp = draft_inputs(hidden, token_ids, next_tokens, positions, slot_mappings, last_idx, block_tables,
-                           max_seq_len, meta)
+                           max_seq_len, meta, draft_masks)
         return self.drafter.propose(inp, cache)
 
     @checked
@@ -100,12 +102,13 @@ class StepBodies:
         next_tokens: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
         slot_mappings: Int[Tensor, "kv_pools num_tokens"], last_idx: Int[Tensor, "draft_rows"],
         block_tables: Int[Tensor, "kv_pools draft_rows max_blocks"], cache: CacheTensors,
-        meta: PrefillMetadata | None = None,
+        meta: PrefillMetadata | None = None, draft_masks: DraftMasks | None = None,
     ) -> Int[Tensor, "draft_rows num_spec"]:
         """After a prefill: the drafts of the prompts that finished (`last_idx`: their last
-        tokens, `block_tables`: theirs). `meta` the step's own, None when traced."""
+        tokens, `block_tables`: theirs). `meta` the step's own, None when traced; `draft_masks`
+        as `propose`'s."""
         inp = draft_inputs(hidden, token_ids, next_tokens, positions, slot_mappings, last_idx, block_tables,
-                           max_seq_len, meta)
+                           max_seq_len, meta, draft_masks)
         return self.drafter.propose(inp, cache)
 
     def observe(

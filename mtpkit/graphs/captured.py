@@ -14,6 +14,8 @@ controls body (sampling/controls.apply_controls) on verify[n]'s logits and token
 controls' per-row inputs (static buffers: slot, flag, penalties, min_tokens' positions;
 padded rows neutral) and the controls' tables (read in place); captured / traced when a step
 first needs it, like the others. A step without controls never replays it.
+A proposal with grammar masks (structured outputs' constrained rows: each pass's mask needs the
+previous pass's drafts on the host) calls the propose body directly on the same buffers.
 
 How a graph is captured and replayed depends on the device:
 - CUDA: warm up, capture largest size first into one shared memory pool, replay.
@@ -40,6 +42,7 @@ from mtpkit.step.metadata import PrefillMetadata, UniformRow, build_uniform
 from mtpkit.config import EngineConfig
 from mtpkit.step.cache import CacheTensors
 from mtpkit.sampling.controls import NEUTRAL_FLOATS, NEUTRAL_INTS, ControlInputs
+from mtpkit.step.draft import DraftMasks
 from mtpkit.shapes import Float, Int, Tensor, checked, is_debug
 from mtpkit.graphs.plan import CapturePlan
 from mtpkit.graphs.specialize import private_compilation_unit, specialized
@@ -67,11 +70,12 @@ class Bodies(Protocol):
                prev_num_emitted, cache: CacheTensors) -> tuple[Tensor, Tensor]: ...
 
     def propose(self, max_seq_len: int, hidden, emitted, num_emitted, token_ids, positions, slot_mappings,
-                seq_lens, block_tables, state_slots, prev_num_emitted, cache: CacheTensors) -> Tensor: ...
+                seq_lens, block_tables, state_slots, prev_num_emitted, cache: CacheTensors,
+                draft_masks: DraftMasks | None = None) -> Tensor: ...
 
     def prefill_proposal(self, max_seq_len: int, hidden, token_ids, next_tokens, positions, slot_mappings,
-                         last_idx, block_tables, cache: CacheTensors, meta: PrefillMetadata | None = None
-                         ) -> Tensor: ...
+                         last_idx, block_tables, cache: CacheTensors, meta: PrefillMetadata | None = None,
+                         draft_masks: DraftMasks | None = None) -> Tensor: ...
 
     def controls(self, logits, token_ids, ints, floats, counts, prompt_seen, static, stop) -> Tensor: ...
 
@@ -302,16 +306,20 @@ class CapturedSteps:
         return out["hidden"], out["logits"], buf.positions[:n * B], buf.token_ids[:n * B]
 
     @checked
-    def propose(self, emitted: Int[Tensor, "num_reqs bundle"], num_emitted: Int[Tensor, "num_reqs"]
-                ) -> Int[Tensor, "num_reqs num_spec"]:
+    def propose(self, emitted: Int[Tensor, "num_reqs bundle"], num_emitted: Int[Tensor, "num_reqs"],
+                draft_masks: DraftMasks | None = None) -> Int[Tensor, "num_reqs num_spec"]:
         """Replay propose[n] for the rows filled by the last `verify`, which emitted
-        emitted[i, :num_emitted[i]] (padded rows: one token 0)."""
+        emitted[i, :num_emitted[i]] (padded rows: one token 0). With `draft_masks` (constrained
+        rows: each pass's mask is read back from the host) the body is called on the buffers instead."""
         last = self._last
         n, (R, B), buf = last.num_reqs_padded, emitted.shape, self.buf
         buf.emitted[:R * B].view(R, B).copy_(emitted)
         buf.emitted[R * B:n * B].zero_()
         buf.num_emitted[:R].copy_(num_emitted)
         buf.num_emitted[R:n].fill_(1)
+        if draft_masks is not None:
+            return self.bodies.propose(last.max_seq_len, self.outputs[n]["hidden"], buf.emitted[:n * B],
+                                       buf.num_emitted[:n], *buf.inputs(n, B), self.cache, draft_masks)[:R]
         if self.cuda:
             self.propose_graphs[n].replay()
             return self.outputs[n]["drafts"][:R]
@@ -328,18 +336,19 @@ class CapturedSteps:
         next_tokens: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
         slot_mappings: Int[Tensor, "kv_pools num_tokens"], last_idx: Int[Tensor, "draft_rows"],
         block_tables: Int[Tensor, "kv_pools draft_rows max_blocks"], meta: PrefillMetadata,
+        draft_masks: DraftMasks | None = None,
     ) -> Int[Tensor, "draft_rows num_spec"]:
         """The prefill-proposal body's drafts for the prefills that finished (`last_idx`: their
         last tokens; arguments as the body's). On CPU, traced like a decode step: tokens padded
         to a power of two (at least 16; padding tokens write the null slot) and rows to a graph
         size (inert rows: null block), keyed by (tokens, rows, context bucket). Elsewhere (CUDA,
         where prefill runs eager; TP; debug; more tokens than MAX_TRACED_PREFILL; a drafter
-        that runs over the step's own metadata) called directly."""
+        that runs over the step's own metadata, constrained rows' `draft_masks`) called directly."""
         T, R = hidden.shape[0], last_idx.shape[0]
         step = (hidden, token_ids, next_tokens, positions, slot_mappings, last_idx, block_tables)
         if (not self.trace or is_debug() or self.bodies.proposal_needs_step_metadata or R > self.plan.max_num_seqs
-                or T > MAX_TRACED_PREFILL):
-            return self.bodies.prefill_proposal(max_seq_len, *step, self.cache, meta)
+                or T > MAX_TRACED_PREFILL or draft_masks is not None):
+            return self.bodies.prefill_proposal(max_seq_len, *step, self.cache, meta, draft_masks)
         T_pad, n, context = max(16, 1 << (T - 1).bit_length()), self.plan.dispatch(R), self.context_bucket(max_seq_len)
         key = (T_pad, n, context)
         uses = self._prefill_uses[key] = self._prefill_uses.get(key, 0) + 1

@@ -6,11 +6,13 @@ bit t % 32 of word t // 32 set when token t is allowed. A step's masks are one t
 rows without a constraint are neither copied nor touched (the op works in place). Forbidden tokens get -inf: greedy rows
 take the argmax of what is allowed, random rows' softmax gives them probability 0, and a draft
 the mask forbids can never equal the target's token, so rejection sampling rejects it.
+A drafter's pass masks its logits [draft_rows, vocab] the same way (`DraftMask`: one row of
+words per constrained draft row), so its argmax is a token the grammar allows.
 """
 
 import torch
 
-from mtpkit.shapes import Bool, Float, Int, Tensor, checked
+from mtpkit.shapes import Bool, Float, Int, Tensor, checked, shaped_dataclass
 
 
 @checked
@@ -32,3 +34,17 @@ def apply_token_bitmask_(
     returns `logits`."""
     logits[rows] = logits[rows].masked_fill(~allowed_tokens(bitmask, logits.shape[-1]), float("-inf"))
     return logits
+
+
+@shaped_dataclass
+class DraftMask:
+    """One draft pass's grammar masks: row rows[c] of the pass's logits keeps bitmask[c]'s tokens."""
+
+    bitmask: Int[Tensor, "num_constrained vocab_words"]
+    rows: Int[Tensor, "num_constrained"]   # noqa: F821 - a jaxtyping dimension, not a name
+
+    @checked
+    def apply_(self, logits: Float[Tensor, "draft_rows vocab"]) -> Float[Tensor, "draft_rows vocab"]:
+        """Forbidden tokens of the constrained rows set to -inf, in place; returns `logits`."""
+        apply_token_bitmask_(logits[:, None], self.bitmask[:, None], self.rows)
+        return logits

@@ -16,7 +16,7 @@ from mtpkit.step.cache import CacheTensors
 from mtpkit.errors import ConfigError
 from mtpkit.shapes import Int, Tensor, checked
 from mtpkit.step.draft import DraftInputs, Drafter
-from mtpkit.speculative.drafter import DraftSetup, draft_pass_metadata, proposal_kv_slots
+from mtpkit.speculative.drafter import DraftSetup, draft_argmax, draft_pass_metadata, proposal_kv_slots
 
 PREFIX = "draft."
 
@@ -64,6 +64,7 @@ class DraftModelDrafter(Drafter):
         token, drafts = inp.next_tokens[inp.last_idx], []
         for j in range(self.num_spec):
             meta = draft_pass_metadata(kv_slots, inp.block_tables, pos + j)
-            token = self.model.compute_logits(self.model(token, pos + j, meta, own)).argmax(-1)
+            logits = self.model.compute_logits(self.model(token, pos + j, meta, own))
+            token = draft_argmax(logits, inp, j, token if j else None)
             drafts.append(token)
         return torch.stack(drafts, dim=1)

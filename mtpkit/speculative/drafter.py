@@ -1,6 +1,8 @@
 """What a drafter declares before any weight is read (`DraftSetup`), and the helpers of its
-one-token passes (`proposal_kv_slots`, `draft_pass_metadata`). The run-time interface
-(`DraftInputs`, `Drafter`) is step data: mtpkit/step/draft.py.
+one-token passes (`proposal_kv_slots`, `draft_pass_metadata`) and their argmax under the
+grammar masks of constrained rows (`pass_mask`, `draft_argmax`: every drafter's passes go
+through them). The run-time interface (`DraftInputs`, `Drafter`) is step data:
+mtpkit/step/draft.py.
 """
 
 import dataclasses
@@ -9,10 +11,11 @@ from typing import Callable
 import torch
 
 from mtpkit.kernels.paged import context_slots, window_start
-from mtpkit.shapes import Int, Tensor, checked
+from mtpkit.sampling.bitmask import DraftMask
+from mtpkit.shapes import Float, Int, Tensor, checked
 from mtpkit.step.cache_spec import CacheSpec
 from mtpkit.step.metadata import UniformMetadata, uniform_metadata
-from mtpkit.step.draft import Drafter
+from mtpkit.step.draft import DraftInputs, Drafter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,3 +82,21 @@ def draft_pass_metadata(
         max_seq_len=ctx,
         kv_slots=torch.where(past, own, kv_slots),
     )
+
+
+def pass_mask(inp: DraftInputs, j: int,
+              previous: Int[Tensor, "draft_rows"] | None) -> DraftMask | None:  # noqa: F821 - a jaxtyping dimension, not a name
+    """Pass j's grammar mask (the state after the emitted tokens and drafts 0..j-1; `previous`:
+    draft j - 1, None at pass 0), or None when no row is constrained (always when captured)."""
+    return None if inp.draft_masks is None else inp.draft_masks(j, previous)
+
+
+@checked
+def draft_argmax(logits: Float[Tensor, "draft_rows vocab"], inp: DraftInputs, j: int,
+                 previous: Int[Tensor, "draft_rows"] | None) -> Int[Tensor, "draft_rows"]:  # noqa: F821 - a jaxtyping dimension, not a name
+    """Draft j of every row: the argmax of pass j's logits, masked first (in place) on the
+    constrained rows, so that a constrained row drafts a token its grammar allows."""
+    mask = pass_mask(inp, j, previous)
+    if mask is not None:
+        mask.apply_(logits)
+    return logits.argmax(-1)

@@ -31,7 +31,7 @@ from mtpkit.checkpoint.loader import checkpoint_index
 from mtpkit.models.family import DrafterKind
 from mtpkit.shapes import Int, Tensor, checked
 from mtpkit.step.draft import DraftInputs, Drafter
-from mtpkit.speculative.drafter import DraftSetup
+from mtpkit.speculative.drafter import DraftSetup, pass_mask
 
 ORDERING = "masked_embedding.token_ordering"
 
@@ -115,7 +115,8 @@ class AssistantDrafter(Drafter):
         token, h = inp.next_tokens[rows], inp.hidden[rows]
         kv = {group: self._kv_read(inp, cache, group, window, p) for group, window in self.reads.items()}
         drafts = []
-        for _ in range(self.num_spec):
-            token, h = self.assistant.step(self.target.embed(token), h, p, kv, cache)
+        for j in range(self.num_spec):
+            mask = pass_mask(inp, j, token if j else None)   # structured outputs: the grammar's
+            token, h = self.assistant.step(self.target.embed(token), h, p, kv, cache, mask)
             drafts.append(token)
         return torch.stack(drafts, dim=1)

@@ -23,7 +23,7 @@ from mtpkit.models.qwen3_next.model import Qwen3NextForCausalLM
 from mtpkit.models.qwen3_next.config import Qwen3NextConfig
 from mtpkit.shapes import Int, Tensor, checked
 from mtpkit.step.draft import DraftInputs, Drafter
-from mtpkit.speculative.drafter import DraftSetup, draft_pass_metadata, proposal_kv_slots
+from mtpkit.speculative.drafter import DraftSetup, draft_argmax, draft_pass_metadata, proposal_kv_slots
 
 
 def has_mtp_weights(path: Path) -> bool:
@@ -63,13 +63,13 @@ class MTPDrafter(Drafter):
         first = draft_pass_metadata(kv_slots, inp.block_tables, pos)
         h = model.mtp_forward_rows(inp.next_tokens, inp.positions, inp.hidden, inp.slot_mappings, cache,
                                    inp.last_idx, first)
-        draft = model.compute_logits(h).argmax(-1)
+        draft = draft_argmax(model.compute_logits(h), inp, 0, None)
         drafts = [draft]
         # Passes 2..num_spec: the previous draft and pass output, one position further each.
         for j in range(1, self.num_spec):
             meta_j = draft_pass_metadata(kv_slots, inp.block_tables, pos + j)
             h = model.mtp_forward(draft, pos + j, h, meta_j, cache, step=j)
-            draft = model.compute_logits(h).argmax(-1)
+            draft = draft_argmax(model.compute_logits(h), inp, j, draft)
             drafts.append(draft)
         return torch.stack(drafts, dim=1)
 

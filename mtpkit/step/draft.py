@@ -17,7 +17,10 @@ A drafter declares (`DraftSetup`, from config.json alone):
   still reads (the scheduler keeps those blocks);
 - what the target model must build for it (the MTP head lives in the target checkpoint);
 - its tensor-parallel constraints.
-Drafts are greedy (argmax): the rejection sampler treats them as one-hot proposals.
+Drafts are greedy (argmax): the rejection sampler treats them as one-hot proposals. In a step
+with constrained requests (structured outputs) the argmax of each pass is taken over logits
+masked with the grammar state after the drafts before it (`DraftMasks`, in DraftInputs); those
+masks depend on the drafts' values, so such a proposal runs eagerly, never captured.
 """
 
 
@@ -26,6 +29,18 @@ import torch
 from mtpkit.shapes import Float, Int, Tensor, checked, shaped_dataclass
 from mtpkit.step.cache import CacheTensors
 from mtpkit.step.metadata import PrefillMetadata, UniformMetadata
+
+
+class DraftMasks:
+    """The grammar masks of one proposal's passes (structured outputs: made by
+    mtpkit/structured/draft_masks.py). Pass j (0-based) of a drafter calls it with draft j - 1
+    of every draft row (None at pass 0) right before its argmax, and applies the mask it
+    returns to the pass's logits (a sampling.bitmask.DraftMask; None: no row is constrained now).
+    It reads the drafts on the host (a round trip per pass), which a trace or a CUDA graph
+    could not replay: only eager proposals get one."""
+
+    def __call__(self, j: int, previous: Int[Tensor, "draft_rows"] | None):  # noqa: F821 - a jaxtyping dimension, not a name
+        raise NotImplementedError
 
 
 @shaped_dataclass(frozen=True)
@@ -47,6 +62,8 @@ class DraftInputs:
     # The step's own metadata, for a drafter that runs a model over the step's tokens. None in
     # a traced prefill proposal (only drafters with `needs_step_metadata` False are traced there).
     meta: PrefillMetadata | UniformMetadata | None = None
+    # Per-pass grammar masks of the constrained rows; None (always, when captured): unmasked.
+    draft_masks: DraftMasks | None = None
 
 
 class Drafter:
@@ -68,14 +85,14 @@ def draft_inputs(
     next_tokens: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
     slot_mappings: Int[Tensor, "kv_pools num_tokens"], last_idx: Int[Tensor, "draft_rows"],
     block_tables: Int[Tensor, "kv_pools draft_rows max_blocks"], max_seq_len: int,
-    meta: PrefillMetadata | UniformMetadata | None = None,
+    meta: PrefillMetadata | UniformMetadata | None = None, draft_masks: DraftMasks | None = None,
 ) -> DraftInputs:
     """The one place a DraftInputs is made: the step bodies' (engine/step_bodies.py) after a
     verify step (`last_idx`, `next_tokens` from `verify_outcome`) and after a prefill (the
     finished prompts' last tokens and block tables, the token after every position)."""
     return DraftInputs(hidden=hidden, token_ids=token_ids, next_tokens=next_tokens, positions=positions,
                        slot_mappings=slot_mappings, last_idx=last_idx, block_tables=block_tables,
-                       max_seq_len=max_seq_len, meta=meta)
+                       max_seq_len=max_seq_len, meta=meta, draft_masks=draft_masks)
 
 
 @checked

@@ -19,6 +19,10 @@ requests gets None and costs one list scan. `host_seconds` and `steps` add up th
 calling thread spends here (the plan, the wait at the join, the copy) and the steps that had
 constrained rows; `worker_seconds` the mask fills' time, on whichever thread ran them
 (benchmarks/structured_json.py reads them).
+`proposal` makes the masks of the drafter's passes after a step (structured/draft_masks.py:
+constrained drafting, `masked_drafting`), computed on the calling thread pass by pass
+(`draft_seconds`; `masked_proposals` counts the verify steps whose unmasked drafts were not all
+allowed, so that their proposal ran again with the masks).
 """
 
 import contextlib
@@ -30,6 +34,7 @@ import torch
 
 from mtpkit.sampling.bitmask import apply_token_bitmask_
 from mtpkit.shapes import Float, Int, Tensor, checked, shaped_dataclass
+from mtpkit.structured.draft_masks import ProposalMasks
 
 
 @shaped_dataclass
@@ -97,6 +102,9 @@ class StructuredMasks:
     def __init__(self, device: torch.device):
         self.device = device
         self.constrained_drafting = True   # replace forbidden drafts by forced tokens (benchmarks turn it off)
+        self.masked_drafting = True        # the drafters' argmax under the grammar masks (benchmarks turn it off)
+        self.draft_seconds = 0.0           # the calling thread's time on the drafters' masks
+        self.masked_proposals = 0          # verify steps whose proposal ran again with the masks
         self.overlap = True                # verify masks filled by the worker during the forward
         self.host_seconds, self.steps = 0.0, 0   # the calling thread's time here, steps with constrained rows
         self.worker_seconds = 0.0          # the mask fills' time, on whichever thread ran them
@@ -146,6 +154,22 @@ class StructuredMasks:
                     errors[i] = f"computing the grammar's masks failed ({type(e).__name__}: {e})"
         finally:
             self.worker_seconds += time.perf_counter() - t0
+
+    def proposal(self, reqs: list, emitted: list[list[int]], errors: dict) -> ProposalMasks | None:
+        """The drafter's per-pass masks after a step in which reqs[i] emitted emitted[i] (draft
+        row i is reqs[i]); None when no row is constrained (or masked drafting is off). Rows in
+        `errors` (their grammar cannot go on: the request ends) are left unmasked. The caller
+        closes it after the proposal (rolling the matchers back)."""
+        if not self.masked_drafting:
+            return None
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and i not in errors]
+        if not rows:
+            return None
+        return ProposalMasks(rows, [reqs[i].grammar for i in rows], [emitted[i] for i in rows], self.device,
+                             self._add_draft_seconds)
+
+    def _add_draft_seconds(self, seconds: float) -> None:
+        self.draft_seconds += seconds
 
     def close(self) -> None:
         if self._worker is not None:

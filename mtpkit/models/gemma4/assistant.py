@@ -20,6 +20,7 @@ from mtpkit.models.gemma4.assistant_config import Gemma4AssistantConfig
 from mtpkit.models.gemma4.config import Gemma4Config
 from mtpkit.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, vocab_parallel_logits
 from mtpkit.checkpoint.weights import WeightSpec, read
+from mtpkit.sampling.bitmask import DraftMask
 
 
 @shaped_dataclass(frozen=True)
@@ -184,16 +185,21 @@ class Gemma4Assistant(FamilyModel):
     @checked
     def step(self, embedded: Float[Tensor, "num_reqs_padded backbone_hidden"],
              h: Float[Tensor, "num_reqs_padded backbone_hidden"], positions: Int[Tensor, "num_reqs_padded"],
-             kv: dict[str, KVRead], cache: CacheTensors
+             kv: dict[str, KVRead], cache: CacheTensors, mask: DraftMask | None = None
              ) -> tuple[Int[Tensor, "num_reqs_padded"], Float[Tensor, "num_reqs_padded backbone_hidden"]]:
         """(argmax draft, next step's h) from the scaled target embedding of the newest token
-        and the previous h (embedding first, as transformers concatenates them)."""
+        and the previous h (embedding first, as transformers concatenates them). `mask`: the
+        constrained rows' grammar masks; their argmax is over the tokens it allows."""
         x = self.pre_projection(torch.cat([embedded, h], dim=-1))
         for layer in self.layers:
             x = layer(x, positions, kv[layer.self_attn.kv_group], cache)
         d = self.norm(x)
+        if self.masked_embedding is None or mask is not None:   # no final softcapping in the assistant
+            logits = vocab_parallel_logits(d, self.embed_tokens, self.tp, self.cfg.vocab_size)
+            token = (logits if mask is None else mask.apply_(logits)).argmax(dim=-1)
         if self.masked_embedding is not None:
-            token = self.masked_embedding.argmax(d, self.embed_tokens)
-        else:  # no final softcapping in the assistant
-            token = vocab_parallel_logits(d, self.embed_tokens, self.tp, self.cfg.vocab_size).argmax(dim=-1)
+            sparse = self.masked_embedding.argmax(d, self.embed_tokens)
+            # A constrained row scores the whole vocabulary: the centroids' candidates may hold
+            # no token its grammar allows. The other rows keep the centroid head's draft.
+            token = sparse if mask is None else sparse.index_copy(0, mask.rows, token[mask.rows])
         return token, self.post_projection(d)
