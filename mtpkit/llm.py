@@ -65,7 +65,9 @@ class LLM:
                  cudagraph_capture_sizes: Sequence[int] | None = None,
                  attn_backend: str | None = None, tensor_parallel_size: int | None = None,
                  load_format: str = "safetensors", num_threads: int | None = None,
-                 keep_fp8: bool | None = None, recycle_sliding_kv: bool = True):
+                 keep_fp8: bool | None = None, recycle_sliding_kv: bool = True,
+                 enable_prefix_caching: bool = True, prefix_snapshot_interval: int | None = None,
+                 num_prefix_snapshots: int | None = None):
         """Load `model` (a checkpoint directory, a hub id or a built-in name) and build its
         engine (mtpkit/engine/build.py). Every keyword is an engine argument, documented on
         mtpkit.engine.args.EngineArgs. A configuration that cannot work is a ConfigError raised
@@ -78,7 +80,8 @@ class LLM:
             memory_budget=memory_budget, max_num_batched_tokens=max_num_batched_tokens, graph_sizes=graph_sizes,
             cudagraph_capture_sizes=cudagraph_capture_sizes, attn_backend=attn_backend,
             tensor_parallel_size=tensor_parallel_size, load_format=load_format, num_threads=num_threads,
-            keep_fp8=keep_fp8, recycle_sliding_kv=recycle_sliding_kv)
+            keep_fp8=keep_fp8, recycle_sliding_kv=recycle_sliding_kv, enable_prefix_caching=enable_prefix_caching,
+            prefix_snapshot_interval=prefix_snapshot_interval, num_prefix_snapshots=num_prefix_snapshots)
         ckpt = open_checkpoint(model, load_format)
         self.model_path, self.model_config = ckpt.path, ckpt.config
         self.tokenizer = load_tokenizer(ckpt.path, ckpt.config.vocab_size)  # a broken file is named before weights load
@@ -113,8 +116,15 @@ class LLM:
     @property
     def stats(self) -> SpecStats:
         """Speculation statistics of every request finished so far (assignable: a fresh
-        SpecStats starts a new count)."""
+        SpecStats starts a new count), with the prefix cache's counters now
+        (`.prefix_cache`: hit rate, evictions, cached blocks; None when caching is off)."""
+        self.engine.stats.prefix_cache = self.engine.prefix_cache_stats()
         return self.engine.stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block and state snapshot. Returns False, changing nothing,
+        while requests are queued or running (as vLLM does); True once done."""
+        return self.engine.reset_prefix_cache()
 
     @stats.setter
     def stats(self, value: SpecStats) -> None:
@@ -426,7 +436,8 @@ class LLM:
         return RequestOutput(first.req_id, list(first.prompt_token_ids), o.token_ids, o.text,
                              o.finish_reason, o.spec_stats, o.error, o.num_preemptions,
                              o.token_steps, o.token_draft_positions, self.tokenizer, o.logprobs,
-                             None if first.prompt_logprobs is None else list(first.prompt_logprobs), outs)
+                             None if first.prompt_logprobs is None else list(first.prompt_logprobs), outs,
+                             num_cached_tokens=first.num_cached_tokens)
 
     def _decode_logprobs(self, entries: list) -> list:
         """Fill each Logprob's decoded_token (the token's text alone), once per entry; returns entries."""

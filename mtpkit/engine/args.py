@@ -42,6 +42,13 @@ class EngineArgs:
     (comparisons and memory measurements).
     num_blocks / kv_cache_memory size the full-attention KV pool, num_state_slots /
     state_cache_memory the recurrent-state pool (engine/pool_sizing.py).
+    enable_prefix_caching: a new request reuses the KV blocks (and, for a model with recurrent
+    state, a state snapshot) of the longest cached prefix of its prompt, at block granularity
+    (engine/prefix_cache.py). prefix_snapshot_interval (models with recurrent state): prefill
+    snapshots the state every that many tokens (a multiple of block_size; None: the multiple
+    nearest 512) and at the prompt's
+    last full block; num_prefix_snapshots: entries of the snapshot pool (None: 4 per
+    max_num_seqs request; pool_sizing.prefix_snapshots).
     """
 
     num_spec: int = 0
@@ -68,6 +75,9 @@ class EngineArgs:
     num_threads: int | None = None
     keep_fp8: bool | None = None
     recycle_sliding_kv: bool = True
+    enable_prefix_caching: bool = True
+    prefix_snapshot_interval: int | None = None
+    num_prefix_snapshots: int | None = None
 
 
 def check_load_format(load_format: str) -> None:
@@ -78,10 +88,12 @@ def check_load_format(load_format: str) -> None:
 
 def check_args(a: EngineArgs) -> None:
     """Types and ranges of the arguments that need no checkpoint (ConfigError)."""
-    if not isinstance(a.recycle_sliding_kv, bool):
-        raise ConfigError(f"recycle_sliding_kv={a.recycle_sliding_kv!r} must be True or False")
+    for name in ("recycle_sliding_kv", "enable_prefix_caching"):
+        if not isinstance(getattr(a, name), bool):
+            raise ConfigError(f"{name}={getattr(a, name)!r} must be True or False")
     for name in ("max_num_seqs", "block_size", "max_num_batched_tokens", "seed", "max_model_len", "num_blocks",
-                 "num_state_slots", "kv_cache_memory", "state_cache_memory", "num_threads", "memory_budget"):
+                 "num_state_slots", "kv_cache_memory", "state_cache_memory", "num_threads", "memory_budget",
+                 "prefix_snapshot_interval", "num_prefix_snapshots"):
         v = getattr(a, name)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
             raise ConfigError(f"{name}={v!r} must be an int")
@@ -97,3 +109,9 @@ def check_args(a: EngineArgs) -> None:
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(a, name) < 1:
             raise ConfigError(f"{name}={getattr(a, name)} must be >= 1")
+    if a.prefix_snapshot_interval is not None and (a.prefix_snapshot_interval < 1 or
+                                                   a.prefix_snapshot_interval % a.block_size):
+        raise ConfigError(f"prefix_snapshot_interval={a.prefix_snapshot_interval} must be a positive multiple of "
+                          f"block_size={a.block_size} (snapshots sit at block boundaries)")
+    if a.num_prefix_snapshots is not None and a.num_prefix_snapshots < 0:
+        raise ConfigError(f"num_prefix_snapshots={a.num_prefix_snapshots} must be >= 0")

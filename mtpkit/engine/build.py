@@ -22,7 +22,8 @@ from mtpkit.config import EngineConfig, resolve_device, resolve_dtype
 from mtpkit.engine import cpu_threads, memory_plan
 from mtpkit.engine.args import EngineArgs, check_args, check_load_format
 from mtpkit.engine.engine import Engine
-from mtpkit.engine.pool_sizing import PoolSizes, check_pools_fit, kv_pool_sizes, plan_memory, size_pools
+from mtpkit.engine.pool_sizing import (PoolSizes, check_pools_fit, kv_pool_sizes, plan_memory, prefix_snapshots,
+                                       size_pools)
 from mtpkit.errors import ConfigError
 from mtpkit.graphs.plan import build_capture_plan
 from mtpkit.models.registry import ModelFamily, read_config
@@ -67,19 +68,21 @@ def build_engine(ckpt: Checkpoint, args: EngineArgs) -> Engine:
     spec = ckpt.family.model_class.cache_spec(cfg, num_spec=a.num_spec, tp_size=tp.size) + (
         draft.cache_spec(tp.size) if draft else CacheSpec())
     num_blocks, num_state_slots, plan, meta = a.num_blocks, a.num_state_slots, None, None
+    snapshots = prefix_snapshots(spec, ecfg, enabled=a.enable_prefix_caching, num=a.num_prefix_snapshots)
     budget = memory_plan.budget_of(device, a.memory_budget, a.gpu_memory_utilization, num_blocks=a.num_blocks,
                                    num_state_slots=a.num_state_slots, kv_cache_memory=a.kv_cache_memory,
                                    state_cache_memory=a.state_cache_memory)
     if budget is not None:  # the weights and a first plan before any weight is read
         meta = memory_plan.meta_models(ckpt.family, cfg, draft, path=ckpt.path, load_format=a.load_format,
                                        device=device, attn_backend=a.attn_backend, tp=tp, keep_fp8=a.keep_fp8)
-        plan = plan_memory(budget, spec, ecfg, dtype, meta=meta, vocab=cfg.vocab_size, recycle=a.recycle_sliding_kv)
+        plan = plan_memory(budget, spec, ecfg, dtype, meta=meta, vocab=cfg.vocab_size, recycle=a.recycle_sliding_kv,
+                           snapshots=snapshots)
         num_blocks, num_state_slots = plan.num_blocks, plan.num_slots
         if device.type == "cuda":  # a provisional KV pool for the profile run (one request)
             num_blocks = 1 + ecfg.max_blocks
     sizes = size_pools(spec, ecfg, dtype, num_blocks=num_blocks, num_state_slots=num_state_slots,
                        kv_cache_memory=a.kv_cache_memory, state_cache_memory=a.state_cache_memory,
-                       recycle=a.recycle_sliding_kv)
+                       recycle=a.recycle_sliding_kv, snapshots=snapshots)
     # Graph plan (and its configuration errors) before any weight is read.
     max_state_reqs = (a.max_num_seqs if sizes.state_slots is None
                       else (sizes.state_slots - 1) // ecfg.bundle)
@@ -91,7 +94,9 @@ def build_engine(ckpt: Checkpoint, args: EngineArgs) -> Engine:
     engine = Engine(model=model, drafter=drafter, draft=draft, family=ckpt.family, model_config=cfg, tp=tp,
                     device=device, dtype=dtype, engine_config=ecfg, cache_spec=spec, capture_plan=capture_plan, cache=cache,
                     pool_sizes=sizes, memory_plan=plan, enforce_eager=a.enforce_eager,
-                    recycle_sliding_kv=a.recycle_sliding_kv, seed=a.seed)
+                    recycle_sliding_kv=a.recycle_sliding_kv, seed=a.seed,
+                    prefix_caching=a.enable_prefix_caching,
+                    prefix_snapshot_interval=a.prefix_snapshot_interval or max(1, 512 // a.block_size) * a.block_size)
     engine.threads_held = set_cpu_threads(model, device, a.num_threads)
     if plan is not None:
         if device.type == "cuda":  # activations measured, then the pools at their planned sizes
@@ -151,7 +156,7 @@ def load_weights(ckpt: Checkpoint, draft: DraftSetup | None, a: EngineArgs, tp: 
         model = load(ckpt.family, ckpt.config, ckpt.path, **(draft.target_kwargs if draft else {}))
         drafter = draft.build(model, load=load) if draft else None
         cache = allocate_cache(spec, num_blocks=sizes.kv, num_slots=sizes.state_slots or 0,
-                               block_size=a.block_size, dtype=dtype, device=device)
+                               block_size=a.block_size, dtype=dtype, device=device, num_snapshots=sizes.snapshots)
     except Exception as e:
         error = e
     tp.raise_if_any_failed(error, "loading the model")
@@ -184,6 +189,7 @@ def resize_to_measured(engine: Engine, budget: tuple[int, str], meta: list[torch
     peak = torch.cuda.max_memory_allocated(device) - base
     engine.memory_plan = plan = plan_memory(budget, engine.cache_spec, ecfg, engine.dtype, meta=meta,
                                             vocab=engine.model_config.vocab_size,
-                                            recycle=engine.recycle_sliding_kv, activation_bytes=peak)
+                                            recycle=engine.recycle_sliding_kv, activation_bytes=peak,
+                                            snapshots=engine.pool_sizes.snapshots)
     sizes = kv_pool_sizes(engine.cache_spec, ecfg, full_blocks=plan.num_blocks, recycle=engine.recycle_sliding_kv)
-    engine.reallocate(PoolSizes(sizes, plan.num_slots), free=torch.cuda.empty_cache)
+    engine.reallocate(PoolSizes(sizes, plan.num_slots, plan.num_snapshots), free=torch.cuda.empty_cache)

@@ -22,6 +22,7 @@ from mtpkit.engine.kv_pools import KVPools
 from mtpkit.engine.loop import track
 from mtpkit.engine.memory_plan import MemoryPlan
 from mtpkit.engine.pool_sizing import PoolSizes
+from mtpkit.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from mtpkit.engine.request import Request, SpecStats, Status
 from mtpkit.engine.runner import ModelRunner
 from mtpkit.engine.scheduler import Scheduler
@@ -74,7 +75,8 @@ class Engine:
     def __init__(self, *, model: torch.nn.Module, drafter, draft, family, model_config, tp: TP, device: torch.device,
                  dtype: torch.dtype, engine_config: EngineConfig, cache_spec: CacheSpec, capture_plan: CapturePlan,
                  cache: CacheTensors, pool_sizes: PoolSizes, memory_plan: MemoryPlan | None, enforce_eager: bool,
-                 recycle_sliding_kv: bool, seed: int):
+                 recycle_sliding_kv: bool, seed: int, prefix_caching: bool = False,
+                 prefix_snapshot_interval: int = 512):
         """`draft`: the drafter's set-up (speculative.setup), `drafter` the one it built; both
         None without speculation. `enforce_eager` False: verify steps replay `capture_plan`'s
         graphs."""
@@ -83,6 +85,7 @@ class Engine:
         self.device, self.dtype, self.engine_config, self.cache_spec = device, dtype, engine_config, cache_spec
         self.capture_plan, self.memory_plan, self.seed = capture_plan, memory_plan, seed
         self.enforce_eager, self.recycle_sliding_kv = enforce_eager, recycle_sliding_kv
+        self.prefix_caching, self.prefix_snapshot_interval = prefix_caching, prefix_snapshot_interval
         self.stats = SpecStats(num_spec=engine_config.num_spec)
         self._ids = itertools.count()
         self.threads_held: object | None = None   # this engine's hold on torch's thread count (cpu_threads)
@@ -147,13 +150,25 @@ class Engine:
     def _assemble(self, cache: CacheTensors, sizes: PoolSizes) -> None:
         """The pools over `cache` at `sizes`, the scheduler lending them, the runner on them."""
         ecfg = self.engine_config
-        self.cache, self.kv_pool_sizes = cache, sizes.kv
+        self.cache, self.kv_pool_sizes, self.pool_sizes = cache, sizes.kv, sizes
+        self.prefix_cache = None
+        if self.prefix_caching:
+            # What besides the tokens decides a block's KV: the model, the drafter (its KV
+            # groups share the blocks), the dtype, the block size.
+            salt = "|".join(map(str, (self.family.model_type, getattr(self.model_config, "name_or_path", ""),
+                                      self.draft.name if self.draft else None, self.dtype, ecfg.block_size)))
+            self.prefix_cache = PrefixCache(
+                salt=salt, lookahead=bool(self.draft and self.draft.kv_reads_next_token), block_size=ecfg.block_size,
+                pool_names=[p.name for p in self.cache_spec.pools],
+                num_snapshots=sizes.snapshots if self.cache_spec.has_state else None,
+                snapshot_interval=self.prefix_snapshot_interval)
         self.kv_pools = KVPools(self.cache_spec.pools, sizes.kv, block_size=ecfg.block_size,
                                 max_positions=ecfg.max_positions, read_back=ecfg.kv_read_back,
-                                recycle=self.recycle_sliding_kv)
+                                recycle=self.recycle_sliding_kv,
+                                caches=self.prefix_cache.blocks if self.prefix_cache else None)
         self.slots = SlotAllocator(sizes.state_slots, ecfg.bundle)
         dispatch = None if self.enforce_eager else self.capture_plan.dispatch
-        self.scheduler = Scheduler(ecfg, self.kv_pools, self.slots, dispatch)
+        self.scheduler = Scheduler(ecfg, self.kv_pools, self.slots, dispatch, self.prefix_cache)
         self.runner = ModelRunner(self.model, self.drafter, self.cache, ecfg, self.device,
                                   None if self.enforce_eager else self.capture_plan)
 
@@ -165,7 +180,8 @@ class Engine:
         del self.cache, self.runner
         free()
         cache = allocate_cache(self.cache_spec, num_blocks=sizes.kv, num_slots=sizes.state_slots or 0,
-                               block_size=self.engine_config.block_size, dtype=self.dtype, device=self.device)
+                               block_size=self.engine_config.block_size, dtype=self.dtype, device=self.device,
+                               num_snapshots=sizes.snapshots)
         self._assemble(cache, sizes)
 
     # ---- requests -------------------------------------------------------------------
@@ -260,6 +276,11 @@ class Engine:
             # not applied. The step's requests start over (and the samples it forked, whose
             # copies may not have run); the caller's stream aborts its own.
             self.scheduler.recompute(plan.reqs + [r for r in plan.forked if r not in plan.reqs])
+            if self.prefix_cache is not None:   # snapshots whose saves may not have run
+                snaps = self.prefix_cache.snapshots
+                snaps.pinned.clear()
+                for entry in [sv.entry for sv in plan.copies.saves] + [e for _, _, e in plan.snapshots]:
+                    snaps.drop(entry)
             raise
         for r in finished:
             self.stats.merge(r.stats)
@@ -286,6 +307,22 @@ class Engine:
         reqs = [r for r in sched.unfinished() if r.req_id in request_ids]
         self._publish_abort(reqs)
         return sorted(r.req_id for r in sched.abort(reqs))
+
+    # ---- prefix caching -------------------------------------------------------------
+    @_serialized
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block and state snapshot (vLLM's reset_prefix_cache). Refused
+        (False, nothing changed) while requests are queued or running: their blocks are in
+        use and their steps would key more. True when done (or no prefix cache)."""
+        if self.scheduler.has_unfinished():
+            return False
+        if self.prefix_cache is not None:
+            self.kv_pools.forget_cached()
+            self.prefix_cache.snapshots.clear()
+        return True
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        return None if self.prefix_cache is None else self.prefix_cache.stats()
 
     # ---- scoring --------------------------------------------------------------------
     @torch.inference_mode()

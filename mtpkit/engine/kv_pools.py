@@ -21,6 +21,10 @@ step will write into by a private copy (copy-on-write) and returns what to copy,
 runner does on the device before the step runs. Freeing (release, a sliding pool's blocks
 below the window) drops one reference, so a shared block returns to its pool with its last
 holder.
+
+Prefix caching (engine/prefix_cache.py): `key` gives a request's full, accepted blocks their
+keys in every pool (kept cached when freed); `adopt` makes tables of a hit's cached blocks
+(shared, so read-only: the request writes only past the hit).
 """
 
 import dataclasses
@@ -56,11 +60,11 @@ class KVPools:
     """Every pool's allocator, and the rules for a request's tables in them."""
 
     def __init__(self, pools: tuple[KVPool, ...], num_blocks: dict[str, int], *, block_size: int,
-                 max_positions: int, read_back: int, recycle: bool = True):
+                 max_positions: int, read_back: int, recycle: bool = True, caches: dict | None = None):
         """`recycle` False: sliding pools keep every block like the full pool (comparisons,
-        memory measurements)."""
+        memory measurements). `caches`: each pool's prefix_cache.BlockCache (prefix caching)."""
         self.pools = pools
-        self.allocators = {p.name: BlockAllocator(num_blocks[p.name]) for p in pools}
+        self.allocators = {p.name: BlockAllocator(num_blocks[p.name], (caches or {}).get(p.name)) for p in pools}
         self.block_size, self.max_positions, self.read_back = block_size, max_positions, read_back
         self.recycle = recycle
 
@@ -88,6 +92,24 @@ class KVPools:
             self.allocators[pool.name].share(t.held())
             forked.append(BlockTable(list(t.ids), t.floor))
         return forked
+
+    def adopt(self, entries: list[list[int]]) -> list[BlockTable]:
+        """Tables over a prefix hit's blocks (each pool's entries; 0 below a sliding pool's
+        window, which becomes the table's floor), one reference more each."""
+        tables = []
+        for pool, ids in zip(self.pools, entries):
+            floor = next((i for i, b in enumerate(ids) if b), len(ids))
+            self.allocators[pool.name].share(ids[floor:])
+            tables.append(BlockTable(list(ids), floor))
+        return tables
+
+    def key(self, tables: list[BlockTable], keys: list[bytes], lo: int, hi: int) -> None:
+        """Give blocks lo..hi-1 of every table (held, full of accepted tokens) their keys."""
+        for pool, t in zip(self.pools, tables):
+            cache = self.allocators[pool.name].cache
+            for i in range(max(lo, t.floor), min(hi, len(t.ids))):
+                if t.ids[i]:
+                    cache.register(t.ids[i], keys[i])
 
     def shared(self, tables: list[BlockTable]) -> int:
         """How many of these tables' held blocks have another holder too."""
@@ -158,9 +180,16 @@ class KVPools:
             return full
         return min(full, window_demand(pool.sliding_window, self.read_back, chunk, self.block_size))
 
-    def can_hold(self, positions: int, chunk: int) -> bool:
-        """Every pool has the blocks a new request needs at its peak, free now."""
-        return all(self.allocators[p.name].num_free >= self.demand(p, positions, chunk) for p in self.pools)
+    def can_hold(self, positions: int, chunk: int, tables: list[BlockTable] | None = None) -> bool:
+        """Every pool has the blocks a new request needs at its peak, free now (beyond those
+        its `tables` hold already: a prefix hit's)."""
+        held = [len(t.held()) for t in tables] if tables else [0] * len(self.pools)
+        return all(self.allocators[p.name].num_free >= self.demand(p, positions, chunk) - h
+                   for p, h in zip(self.pools, held))
+
+    def forget_cached(self) -> None:
+        for a in self.allocators.values():
+            a.forget_cached()
 
     @property
     def num_free(self) -> dict[str, int]:

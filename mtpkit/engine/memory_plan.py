@@ -8,7 +8,8 @@ plus their fp32 scales and row indices), the activations of the largest step (es
 CUDA then measured by a profile run: a prefill of max_num_batched_tokens tokens), and the
 caches, sized from what is left by engine/pool_sizing.py (plan_pools): the state pool slots for
 max_num_seqs requests (`bundle` each, the null slot), the sliding-window KV pools at the sizes
-their windows bound, the full-attention KV pool every byte left, at least one request at
+their windows bound, the prefix cache's state snapshots (a state slot's bytes each; models with
+recurrent state), the full-attention KV pool every byte left, at least one request at
 max_model_len (shorter requests share it).
 Too little for one request is a ConfigError with the numbers, raised before any weight is
 read. CUDA-graph memory is not measured (graphs are captured lazily, after the plan).
@@ -44,17 +45,21 @@ class MemoryPlan:
     max_model_len: int
     sliding_bytes: int = 0          # the sliding-window pools, sized by their windows
     sliding_blocks: dict = dataclasses.field(default_factory=dict)   # pool name -> blocks
+    num_snapshots: int = 0          # the prefix cache's state snapshots (bytes_per_slot each)
 
     @property
     def cache_bytes(self) -> int:
         return (self.num_blocks * self.bytes_per_block + self.sliding_bytes
-                + (self.num_slots or 0) * self.bytes_per_slot)
+                + ((self.num_slots or 0) + self.num_snapshots) * self.bytes_per_slot)
 
     def summary(self) -> str:
         state = (f", {self.num_slots} state slots ({gib(self.num_slots * self.bytes_per_slot)})"
                  if self.num_slots is not None else "")
         sliding = "".join(f", {n} {name} blocks" for name, n in self.sliding_blocks.items())
         sliding += f" ({gib(self.sliding_bytes)})" if self.sliding_blocks else ""
+        if self.num_snapshots:
+            state += (f", {self.num_snapshots} prefix-cache state snapshots of {gib(self.bytes_per_slot)} "
+                      f"({gib(self.num_snapshots * self.bytes_per_slot)})")
         return (f"mtpkit memory plan: budget {gib(self.budget)} = weights {gib(self.weight_bytes)} + "
                 f"activations {gib(self.activation_bytes)} ({self.activation_source}) + caches "
                 f"{gib(self.cache_bytes)}: {self.num_blocks} KV blocks "

@@ -25,6 +25,20 @@ from mtpkit.step.cache_spec import CacheSpec
 class PoolSizes:
     kv: dict[str, int]              # blocks of every KV pool, the null block included
     state_slots: int | None         # the null slot included; None: the model keeps no state
+    snapshots: int = 0              # prefix-cache state snapshots (a state slot's bytes each)
+
+
+# The snapshot pool's default: this many snapshots per max_num_seqs request (a few turns of a
+# chat, or a few shared prompts, per request that can run at once).
+SNAPSHOTS_PER_REQUEST = 4
+
+
+def prefix_snapshots(spec: CacheSpec, ecfg: EngineConfig, *, enabled: bool, num: int | None) -> int:
+    """Entries of the prefix cache's state snapshot pool: none without recurrent state or
+    without prefix caching; `num` if given; else SNAPSHOTS_PER_REQUEST per max_num_seqs."""
+    if not enabled or not spec.has_state:
+        return 0
+    return num if num is not None else SNAPSHOTS_PER_REQUEST * ecfg.max_num_seqs
 
 
 def kv_pool_sizes(spec: CacheSpec, ecfg: EngineConfig, *, full_blocks: int | None,
@@ -110,20 +124,20 @@ def state_slots(spec: CacheSpec, ecfg: EngineConfig, dtype: torch.dtype, *, num_
 
 def size_pools(spec: CacheSpec, ecfg: EngineConfig, dtype: torch.dtype, *, num_blocks: int | None,
                num_state_slots: int | None, kv_cache_memory: int | None, state_cache_memory: int | None,
-               recycle: bool) -> PoolSizes:
+               recycle: bool, snapshots: int = 0) -> PoolSizes:
     """Every pool's size from the counts or byte amounts given (a budget's plan gives counts)."""
     full = full_pool_blocks(spec, ecfg, dtype, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
                             recycle=recycle)
     kv = kv_pool_sizes(spec, ecfg, full_blocks=full, recycle=recycle)
     check_kv_pool_sizes(spec, ecfg, kv, recycle=recycle)
     return PoolSizes(kv, state_slots(spec, ecfg, dtype, num_state_slots=num_state_slots,
-                                     state_cache_memory=state_cache_memory))
+                                     state_cache_memory=state_cache_memory), snapshots)
 
 
 def plan_pools(*, budget: int, weight_bytes: int, activation_bytes: int, activation_source: str,
                spec: CacheSpec, block_size: int, dtype: torch.dtype, max_blocks: int, bundle: int,
                max_num_seqs: int, max_model_len: int, source: str,
-               sliding_blocks: dict[str, int] | None = None) -> MemoryPlan:
+               sliding_blocks: dict[str, int] | None = None, snapshots: int = 0) -> MemoryPlan:
     """The pools' sizes from a budget; `source` names the budget in the error (e.g.
     "memory_budget=..."). `sliding_blocks`: the sliding-window pools' sizes (kv_pool_sizes),
     fixed here."""
@@ -137,7 +151,7 @@ def plan_pools(*, budget: int, weight_bytes: int, activation_bytes: int, activat
     # bound; the full KV pool at least one request at max_model_len plus the null block, and
     # every byte left.
     num_slots = 1 + max_num_seqs * bundle if spec.has_state else None
-    state = (num_slots or 0) * bps + sliding
+    state = ((num_slots or 0) + snapshots) * bps + sliding
     kv_min = (1 + max_blocks) * bpb
     left = budget - weight_bytes - activation_bytes - state
     if left < kv_min:
@@ -145,8 +159,10 @@ def plan_pools(*, budget: int, weight_bytes: int, activation_bytes: int, activat
         raise ConfigError(
             f"the model cannot fit in {source}: budget {gib(budget)}, but weights need {gib(weight_bytes)}, "
             f"activations {gib(activation_bytes)} ({activation_source}), "
-            + (f"the state pool {gib(state - sliding)} ({num_slots} slots of {bps} B: bundle={bundle} per request "
-               f"for max_num_seqs={max_num_seqs}, and the null slot), " if num_slots else "")
+            + (f"the state pool {gib((num_slots or 0) * bps)} ({num_slots} slots of {bps} B: bundle={bundle} per "
+               f"request for max_num_seqs={max_num_seqs}, and the null slot), " if num_slots else "")
+            + (f"the prefix cache's {snapshots} state snapshots {gib(snapshots * bps)} (num_prefix_snapshots), "
+               if snapshots else "")
             + (f"the sliding-window KV pools {gib(sliding)} ({sliding_blocks} blocks), " if sliding_blocks else "")
             + f"the KV pool for one request at max_model_len={max_model_len} "
             f"{gib(kv_min)} ({1 + max_blocks} blocks of {bpb} B, the null block included): {gib(need)} in all, "
@@ -155,12 +171,12 @@ def plan_pools(*, budget: int, weight_bytes: int, activation_bytes: int, activat
     num_blocks = left // bpb if bpb else 2
     max_concurrent = min(max_num_seqs, (num_blocks - 1) // max_blocks) if bpb else max_num_seqs
     return MemoryPlan(budget, weight_bytes, activation_bytes, activation_source, num_blocks, num_slots,
-                      bpb, bps, max_concurrent, max_model_len, sliding, dict(sliding_blocks))
+                      bpb, bps, max_concurrent, max_model_len, sliding, dict(sliding_blocks), snapshots)
 
 
 def plan_memory(budget: tuple[int, str], spec: CacheSpec, ecfg: EngineConfig, dtype: torch.dtype, *,
                 meta: list[torch.nn.Module], vocab: int, recycle: bool,
-                activation_bytes: int | None = None) -> MemoryPlan:
+                activation_bytes: int | None = None, snapshots: int = 0) -> MemoryPlan:
     """plan_pools for `budget` (memory_plan.budget_of) with the weights of the `meta` models
     (memory_plan.meta_models) and the activations measured (`activation_bytes`, the CUDA
     profile run) or, before any weight is read, estimated."""
@@ -172,13 +188,13 @@ def plan_memory(budget: tuple[int, str], spec: CacheSpec, ecfg: EngineConfig, dt
     return plan_pools(budget=budget[0], weight_bytes=weight_bytes(meta, dtype), activation_bytes=activation_bytes,
                       activation_source=source, spec=spec, block_size=ecfg.block_size, dtype=dtype,
                       max_blocks=ecfg.max_blocks, bundle=ecfg.bundle, max_num_seqs=ecfg.max_num_seqs,
-                      max_model_len=ecfg.max_model_len, source=budget[1], sliding_blocks=sliding)
+                      max_model_len=ecfg.max_model_len, source=budget[1], sliding_blocks=sliding, snapshots=snapshots)
 
 
 def pool_bytes(spec: CacheSpec, sizes: PoolSizes, block_size: int, dtype: torch.dtype) -> int:
     """Bytes allocate_cache takes for these sizes: every pool's blocks and the state slots."""
     kv = sum(sizes.kv[p.name] * p.bytes_per_block(block_size, dtype) for p in spec.pools)
-    return kv + (sizes.state_slots or 0) * spec.bytes_per_slot(dtype)
+    return kv + ((sizes.state_slots or 0) + sizes.snapshots) * spec.bytes_per_slot(dtype)
 
 
 def available_memory(device: torch.device) -> int | None:

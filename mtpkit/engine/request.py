@@ -4,6 +4,7 @@ import dataclasses
 import enum
 
 from mtpkit.display import HTMLRepr
+from mtpkit.engine.prefix_cache import PrefixCacheStats
 from mtpkit.sampling.controls import ControlState
 from mtpkit.sampling.params import SamplingParams
 from mtpkit.structured.matcher import RequestGrammar
@@ -28,6 +29,8 @@ class SpecStats(HTMLRepr):
     # Drafts that could be accepted at each position (fewer than verify steps near
     # max_tokens / max_model_len, where a request drafts only what fits).
     drafted_per_position: list[int] = dataclasses.field(default_factory=list)
+    # LLM.stats: the prefix cache's counters when read (None: caching off); not merged
+    prefix_cache: PrefixCacheStats | None = dataclasses.field(default=None, compare=False)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.verify_steps += 1
@@ -71,7 +74,8 @@ class SpecStats(HTMLRepr):
     def __str__(self) -> str:
         rates = ", ".join(f"{r:.2f}" for r in self.acceptance_rate_per_position)
         return (f"mean acceptance length {self.mean_acceptance_length:.2f} "
-                f"({self.num_accepted}/{self.num_drafted} drafts accepted; per position [{rates}])")
+                f"({self.num_accepted}/{self.num_drafted} drafts accepted; per position [{rates}])"
+                + (f"; {self.prefix_cache}" if self.prefix_cache is not None else ""))
 
 
 @dataclasses.dataclass
@@ -120,6 +124,13 @@ class Request:
     # The generation controls' device state (token counts, bias row): built at the request's
     # first step that uses them, dropped on preemption and rebuilt from the tokens.
     controls: ControlState | None = dataclasses.field(default=None, repr=False)
+    # Prefix caching (engine/prefix_cache.py): the keys of its blocks so far, how many of its
+    # blocks are keyed (the hit's, then each one its steps complete), the prompt tokens its
+    # first admission took from the cache, its newest decode-time state snapshot.
+    block_keys: list = dataclasses.field(default_factory=list, repr=False)
+    num_keyed: int = 0
+    num_cached_tokens: int = 0
+    decode_snapshot: int | None = None
 
     def __post_init__(self):
         if self.params.logprobs is not None and self.output_logprobs is None:
@@ -193,6 +204,8 @@ class RequestOutput(HTMLRepr):
     # The prompt's samples (SamplingParams.n of them), in order; the fields above are those of
     # outputs[0]. Built from the fields above when not given (n = 1).
     outputs: list[CompletionOutput] = dataclasses.field(default_factory=list)
+    # Prompt tokens taken from the prefix cache at the request's first admission (vLLM's name)
+    num_cached_tokens: int = 0
 
     def __post_init__(self):
         if not self.outputs:

@@ -15,6 +15,17 @@ slots) and every sample prefills the last token itself, sampling its first token
 own seed. Once forked, a sample is an ordinary request: preempted, it is recomputed from its
 own prompt and outputs; aborted, the others go on. The copies a step needs (copy-on-write of
 a shared block it writes into, forked state) travel in its plan and run before it.
+
+Prefix caching (engine/prefix_cache.py): an admitted request (a recomputed one too) starts from
+the longest cached prefix of its tokens that leaves at least one token to compute (the
+sampler needs the last one's logits): its tables take the hit's blocks, and for a model with
+recurrent state a restore of the boundary's snapshot into its slots is queued. After every
+step the blocks below num_computed (accepted tokens only) are keyed. With recurrent state, a
+prefill step writes state snapshots inside its chunks (StepPlan.snapshots: every
+prefix_snapshot_interval tokens and the last full block before the prompt's last token, no
+split chunk), and the state after a prefill that ends on a block boundary is saved; a verify
+step whose accepted tokens cross a block boundary saves the state after the boundary's token
+(its bundle slot).
 """
 
 import collections
@@ -24,8 +35,9 @@ import enum
 from mtpkit.config import EngineConfig
 from mtpkit.engine.allocators import SlotAllocator
 from mtpkit.engine.kv_pools import KVPools
+from mtpkit.engine.prefix_cache import PrefixCache, extend_keys
 from mtpkit.engine.request import Request, Status
-from mtpkit.step.cache import CacheCopies
+from mtpkit.step.cache import CacheCopies, StateSave
 
 
 class StepKind(enum.Enum):
@@ -68,8 +80,9 @@ class ReqResult:
 
 
 class Scheduler:
-    def __init__(self, ecfg: EngineConfig, pools: KVPools, slots: SlotAllocator, dispatch=None):
-        self.cfg, self.pools, self.slots = ecfg, pools, slots
+    def __init__(self, ecfg: EngineConfig, pools: KVPools, slots: SlotAllocator, dispatch=None,
+                 prefix: PrefixCache | None = None):
+        self.cfg, self.pools, self.slots, self.prefix = ecfg, pools, slots, prefix
         self.dispatch = dispatch or (lambda n: n)   # num_reqs -> num_reqs_padded
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -98,6 +111,8 @@ class Scheduler:
         if plan is not None:
             plan.copies, plan.forked = self._copies, self._forked
             self._copies, self._forked = CacheCopies(), []
+            if self.prefix is not None:   # the snapshots this plan's copies read and write are done with it
+                self.prefix.snapshots.pinned.clear()
         return plan
 
     def _schedule(self) -> StepPlan | None:
@@ -143,6 +158,7 @@ class Scheduler:
                 self._copies.slots.extend(zip(r.state_slots, slots))
             f.status, f.num_computed, f.prefill_target = Status.RUNNING, r.num_computed, f.num_tokens
             f.prev_num_emitted, f.drafts = 1, []
+            f.block_keys, f.num_keyed, f.num_cached_tokens = list(r.block_keys), r.num_keyed, r.num_cached_tokens
             if r.prompt_logprobs is not None:   # the prompt's are computed once, by r
                 f.prompt_logprobs = list(r.prompt_logprobs)
             self.running.append(f)
@@ -153,6 +169,95 @@ class Scheduler:
         """Tokens of r's next prefill chunk: a sample others fork from stops before the last token."""
         end = r.fork_at if r.forks else r.prefill_target
         return min(end - r.num_computed, budget)
+
+    # ---- prefix caching -------------------------------------------------------------
+    def _lookup(self, r: Request) -> int | None:
+        """Start r (tables empty, num_computed 0) from its longest cached prefix: tables over
+        the hit's blocks, num_computed at its end. Returns the snapshot entry to restore
+        (recurrent state), None when there is none."""
+        r.num_keyed = 0
+        if self.prefix is None:
+            return None
+        end = r.fork_at if r.forks else r.prefill_target
+        if r.prompt_logprobs is not None:   # positions whose prompt logprobs are not known yet are computed
+            end = min(end, len(r.prompt_logprobs))
+        k, entries, snap = self.prefix.match(self.prefix.keys(r), (end - 1) // self.cfg.block_size, self.pools)
+        if k:
+            r.block_tables = self.pools.adopt(entries)
+            r.num_keyed, r.num_computed = k, k * self.cfg.block_size
+        return snap
+
+    def _plan_snapshots(self, reqs: list[Request], lens: list[int]) -> list[tuple[int, int, int]]:
+        """State snapshots a prefill step writes inside its chunks (recurrent state): after
+        each multiple of the interval and the last full block before the prompt's last token,
+        where the chunk passes them: (row, position within the chunk, snapshot entry)."""
+        if self.prefix is None or not self.prefix.stateful:
+            return []
+        bs, every, out = self.cfg.block_size, self.prefix.snapshot_interval, []
+        for i, (r, n) in enumerate(zip(reqs, lens)):
+            start, end, last = r.num_computed, r.num_computed + n, (r.prefill_target - 1) // bs * bs
+            bounds = set(range((start // every + 1) * every, end + 1, every))
+            if start < last <= end:
+                bounds.add(last)
+            keys = self.prefix.keys(r)
+            for b in sorted(bounds):
+                if b < r.prefill_target and b // bs <= len(keys):
+                    entry = self.prefix.snapshots.take(keys[b // bs - 1])
+                    if entry is not None:
+                        out.append((i, b - 1 - start, entry))
+        return out
+
+    def _admitted(self, r: Request, snap: int | None) -> None:
+        """r was admitted from its lookup: the restore queued, the counters."""
+        if self.prefix is None:
+            return
+        if snap is not None and r.num_computed:
+            self.prefix.snapshots.use(snap)
+            self._copies.restores.append((snap, list(r.state_slots)))
+        c = self.prefix.counters
+        c.queries, c.query_tokens, c.hit_tokens = c.queries + 1, c.query_tokens + r.prefill_target, \
+            c.hit_tokens + r.num_computed
+        if not r.num_preemptions:
+            r.num_cached_tokens = r.num_computed
+
+    def _key_blocks(self, r: Request, tokens: list[int], verify_start: int | None = None) -> None:
+        """After a step: key r's blocks below num_computed (every position written by accepted
+        tokens; `tokens` its sequence with the step's emitted ones), and save state snapshots
+        at the boundaries reached (a prefill chunk's end; in a verify step that began at
+        `verify_start`, the last block boundary its accepted tokens crossed)."""
+        if self.prefix is None or not r.block_tables:
+            return
+        bs, keys = self.cfg.block_size, r.block_keys
+        extend_keys(keys, tokens, bs, self.prefix.lookahead, self.prefix.root)
+        hi = min(r.num_computed // bs, len(keys))
+        if hi > r.num_keyed:
+            self.pools.key(r.block_tables, keys, r.num_keyed, hi)
+            r.num_keyed = hi
+        if not self.prefix.stateful or not hi or not r.state_slots:
+            return
+        snaps = self.prefix.snapshots
+        if verify_start is None:
+            # a prefill that ends on a block's end (the boundaries inside its chunks were
+            # written by the step: _plan_snapshots; this one's key needs the sampled token)
+            pos = r.num_computed
+            if pos % bs or r.in_prefill:
+                return
+            entry = snaps.take(keys[pos // bs - 1])
+            if entry is not None:
+                self._copies.saves.append(StateSave(tuple(r.state_slots), None, entry))
+            return
+        boundary = r.num_computed // bs * bs
+        if boundary <= verify_start:
+            return   # no block boundary crossed by this step's accepted tokens
+        entry = snaps.take(keys[boundary // bs - 1])
+        if entry is None:
+            return
+        self._copies.saves.append(StateSave(tuple(r.state_slots), boundary - 1 - verify_start, entry))
+        # one decode snapshot per request is enough for the next turn: the one before goes,
+        # unless it sits where a prefill would have saved one too
+        if r.decode_snapshot is not None:
+            snaps.drop(r.decode_snapshot)
+        r.decode_snapshot = entry if boundary % self.prefix.snapshot_interval else None
 
     def _schedule_prefill(self) -> StepPlan | None:
         budget, reqs, lens = self.cfg.max_num_batched_tokens, [], []
@@ -192,27 +297,30 @@ class Scheduler:
                 break
             target = r.num_tokens
             r.num_computed, r.prefill_target = 0, target
+            snap = self._lookup(r)   # a prefix hit: tables over cached blocks, num_computed past them
             n = self._chunk(r, budget)
-            extra = ahead if n == target else 0
+            extra = ahead if r.num_computed + n == target else 0
             # Admit only what the free pools can hold at the request's peak (prompt + the first
             # verify step; a sliding pool: its window and a step): admitting a chunk of a prompt
             # that cannot finish only starts a preemption cycle.
-            if not self.pools.can_hold(target + self._verify_span, max(n + extra, self._verify_span)) or \
-                    not self._ensure_blocks(r, n + extra):
+            if not self.pools.can_hold(target + self._verify_span, max(n + extra, self._verify_span),
+                                       r.block_tables) or not self._ensure_blocks(r, r.num_computed + n + extra):
                 self._release_blocks(r)
-                r.prefill_target = 0
+                r.prefill_target = r.num_computed = 0
                 for s in slots:
                     self.slots.free(s)
                 break
             self.waiting.popleft()
             r.status, r.state_slots, r.fork_slots = Status.RUNNING, slots[0], slots[1:]
             r.prefill_target, r.prev_num_emitted, r.drafts = target, 1, []
+            self._admitted(r, snap)
             self.running.append(r)
             reqs.append(r), lens.append(n)
             budget -= n
         if not reqs:
             return None
-        return StepPlan(StepKind.PREFILL, reqs, lens, len(reqs), self.cfg.bundle)
+        return StepPlan(StepKind.PREFILL, reqs, lens, len(reqs), self.cfg.bundle,
+                        snapshots=self._plan_snapshots(reqs, lens))
 
     @property
     def _verify_span(self) -> int:
@@ -312,11 +420,13 @@ class Scheduler:
                 if res.prompt_logprobs:
                     r.prompt_logprobs.extend(res.prompt_logprobs)
                 r.num_computed += plan.chunk_lens[i]
+                self._key_blocks(r, r.all_token_ids + res.emitted)
                 if r.in_prefill:
                     continue
                 r.prev_num_emitted = plan.bundle  # prefill leaves state as if the whole bundle was accepted
             else:
                 r.num_computed += res.num_emitted
+                self._key_blocks(r, r.all_token_ids + res.emitted, r.num_computed - res.num_emitted)
                 r.prev_num_emitted = res.num_emitted
                 r.stats.record(res.drafted, res.num_emitted - 1)
             r.drafts = res.drafts

@@ -89,6 +89,8 @@ def request_output_html(out, prompt: str = "") -> str:
     s = out.spec_stats
     head = (f'<div style="font-size:11px;color:#555">request {out.request_id} · {len(out.token_ids)} tokens · '
             f'{out.finish_reason} · {out.num_accepted_tokens} from accepted drafts'
+            + (f" · {out.num_cached_tokens} prompt tokens from the prefix cache"
+               if getattr(out, "num_cached_tokens", 0) else "")
             + (f" · mean acceptance length {s.mean_acceptance_length:.2f}" if s.verify_steps else "")
             + (f' · <b>error</b>: {html.escape(out.error)}' if out.error else "") + "</div>")
     return (f'<div class="mtp-output">{head}'

@@ -225,8 +225,11 @@ def stats_line(outputs: list[RequestOutput], seconds: float) -> str:
     n = sum(len(o.token_ids) for o in outputs)
     s = _merged(outputs)
     rates = ", ".join(f"{r:.2f}" for r in s.acceptance_rate_per_position)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
     return (f"{n} tokens in {seconds:.2f} s ({n / max(seconds, 1e-9):.1f} tok/s) · mean acceptance length "
-            f"{s.mean_acceptance_length:.2f} · acceptance per draft position [{rates}]")
+            f"{s.mean_acceptance_length:.2f} · acceptance per draft position [{rates}]"
+            + (f" · prefix cache: {cached}/{prompt} prompt tokens" if cached else ""))
 
 
 def _watch_plain(llm, prompts, sampling_params) -> list[RequestOutput]:

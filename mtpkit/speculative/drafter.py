@@ -31,6 +31,9 @@ class DraftSetup:
     target_kwargs: dict = dataclasses.field(default_factory=dict)   # what the target builds for it
     # Positions before a sliding window's start it reads (the target's KV, one key further back).
     kv_read_back: int = 0
+    # Its KV at position p is computed from the token at p + 1 (the MTP head): a prefix cache
+    # keys each block with the token after it too.
+    kv_reads_next_token: bool = False
     # Checks of the checkpoints' headers (names, no data), run after the config checks.
     check_checkpoint: Callable[[], None] = lambda: None
 

@@ -44,7 +44,7 @@ def setup(cfg: Qwen3NextConfig, path: Path, num_spec: int, block_size: int, load
         cache_spec=lambda tp_size: Qwen3NextForCausalLM.mtp_cache_spec(cfg, tp_size),
         check_tensor_parallel=lambda size: Qwen3NextForCausalLM.check_tensor_parallel(cfg, size, with_mtp=True),
         build=lambda target, **_: MTPDrafter(target, num_spec, block_size),
-        target_kwargs={"with_mtp": True}, check_checkpoint=check_checkpoint)
+        target_kwargs={"with_mtp": True}, check_checkpoint=check_checkpoint, kv_reads_next_token=True)
 
 
 class MTPDrafter(Drafter):

@@ -17,8 +17,10 @@
   snapshots".
 
 `CacheCopies` is what a step copies before it runs: KV blocks (the copy-on-write of a block
-shared by the samples of one prompt) and state slots (a sample's start from its prompt's
-recurrent state); `CacheTensors.apply` does it on the device.
+shared by the samples of one prompt), state slots (a sample's start from its prompt's
+recurrent state), and prefix-cache state snapshots (`CacheTensors.snapshots`, one entry per
+snapshot of every state tensor): saves of a request's state after a block boundary, then
+restores into a request that starts from a hit; `CacheTensors.apply` does it on the device.
 """
 
 import dataclasses
@@ -38,9 +40,24 @@ class CacheCopies:
 
     blocks: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     slots: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    saves: list["StateSave"] = dataclasses.field(default_factory=list)
+    # (snapshot entry, the request's bundle slots): after the saves (a restore may read a
+    # snapshot saved in the same round, or write slots a save reads)
+    restores: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.blocks or self.slots)
+        return bool(self.blocks or self.slots or self.saves or self.restores)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSave:
+    """Save a request's recurrent state into snapshot `entry`: the state after its prefill
+    chunk (`token` None) or after bundle token `token` of its verify step (StateTensor's
+    prefill_slot / window say where that is); stored as a prefill leaves it."""
+
+    slots: tuple[int, ...]
+    token: int | None
+    entry: int
 
 
 def _copy_rows(t: Tensor, pairs: list[tuple[int, int]]) -> None:
@@ -161,11 +178,22 @@ class CacheTensors:
                     for kv in layers:
                         for t in kv:
                             _copy_rows(t, pairs)
+        # Snapshot saves first (they read slots a request may have just left), then the
+        # forked samples' slots, then restores (which may read a save's entry).
+        prefill = [sv for sv in copies.saves if sv.token is None]
+        verify = [sv for sv in copies.saves if sv.token is not None]
+        if prefill:
+            self.save_snapshots([sv.slots for sv in prefill], [sv.entry for sv in prefill])
+        if verify:
+            self.save_verify_snapshots([sv.slots for sv in verify], [sv.token for sv in verify],
+                                       [sv.entry for sv in verify])
         if copies.slots:
             for layers in self.state.values():
                 for layer in layers:
                     for t in layer.values():
                         _copy_rows(t, copies.slots)
+        if copies.restores:
+            self.restore_snapshots([e for e, _ in copies.restores], [sl for _, sl in copies.restores])
 
     def tensors(self) -> tuple[Tensor, ...]:
         """Every tensor, in a fixed order (a captured graph's cache arguments)."""
