@@ -62,6 +62,18 @@ def _error(fn):
     return None
 
 
+def _prefix_prompts():
+    shared = oracle.random_prompt(50, CONFIGS["base"]["vocab_size"], seed=11)
+    return [shared + oracle.random_prompt(n, CONFIGS["base"]["vocab_size"], seed=n) for n in (5, 9, 14)]
+
+
+def _prefix_hits(llm):
+    """Tokens and num_cached_tokens of prompts sharing a 50-token prefix, one call after another
+    (the second and third hit what the first cached)."""
+    got = [llm.generate([p], SamplingParams(max_tokens=10, ignore_eos=True))[0] for p in _prefix_prompts()]
+    return [(o.token_ids, o.num_cached_tokens) for o in got]
+
+
 def _tp2_worker(root: str):
     """One rank of the two-process job (module level: debug_launcher forks into it)."""
     from accelerate import PartialState
@@ -81,6 +93,7 @@ def _tp2_worker(root: str):
             out[name, "k_proj"] = attn.qkv_proj.weight[q_rows:q_rows + kv_rows].clone()
             out[name, "embed_rows"] = r["llm"].model.embed_tokens.shape[0]
     out["sampled"] = _run(root / "base", "base", 2, temperature=0.9)["tokens"]
+    out["prefix"] = _prefix_hits(LLM(root / "base", num_spec=2, **F64))
     # Size 1 under two processes: two single-process replicas (data parallel), no group.
     out["size_1"] = LLM(root / "base", num_spec=2, tensor_parallel_size=1, **F64).tp.size
     out["size_4"] = _error(lambda: LLM(root / "base", num_spec=2, tensor_parallel_size=4, **F64))
@@ -124,6 +137,16 @@ def test_tp2_greedy_equals_tp1(checkpoints, tp2, name, k):
     assert torch.equal(r0["logits"], r1["logits"]), "every rank holds the same gathered logits"
     diff = (r0["logits"] - ref["logits"]).abs().max().item()
     assert diff < 1e-9, f"TP=2 vs TP=1 logits differ by {diff:.3g}"
+
+
+def test_tp2_prefix_cache_hits_alike_on_every_rank(checkpoints, tp2):
+    """Every rank makes the same caching decisions (keys hashed without Python's per-process
+    salt) and a hit under TP gives the tokens of an uncached single-process run."""
+    r0, r1 = tp2[0]["prefix"], tp2[1]["prefix"]
+    assert r0 == r1
+    assert [c for _, c in r0][1:] == [48, 48] and r0[0][1] == 0
+    off = _prefix_hits(LLM(checkpoints / "base", num_spec=2, enable_prefix_caching=False, **F64))
+    assert [t for t, _ in r0] == [t for t, _ in off]
 
 
 def test_tp2_shards_and_replicates_weights(checkpoints, tp2):
