@@ -14,6 +14,7 @@ outputs are checked equal token for token.
 Prints each time and the ratios off / on (> 1: caching faster) and, for no reuse, on / off.
 
     python benchmarks/prefix_cache.py [--rounds 3] [--max-tokens 16] [--num-spec 3]
+                                      [--snapshot-interval N]   # prefix_snapshot_interval of the "on" LLM
 """
 
 import argparse
@@ -76,11 +77,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--num-spec", type=int, default=3)
     ap.add_argument("--models", nargs="*", default=list(MODELS))
+    ap.add_argument("--snapshot-interval", type=int, default=None,
+                    help="prefix_snapshot_interval of the caching LLM (recurrent state; default the engine's)")
     args = ap.parse_args()
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     for name in args.models:
+        interval = {"prefix_snapshot_interval": args.snapshot_interval} if args.snapshot_interval else {}
         llms = {on: LLM(name, num_spec=args.num_spec, enable_prefix_caching=on, max_model_len=2048, dtype="float32",
-                        device="cpu", **MODELS[name]) for on in (True, False)}
+                        device="cpu", **MODELS[name], **(interval if on else {})) for on in (True, False)}
         res = {on: {"shared": [], "chat": [], "none": []} for on in llms}
         for rnd in range(args.rounds):
             for on in ((True, False) if rnd % 2 == 0 else (False, True)):   # alternate who goes first
@@ -96,6 +100,7 @@ def main() -> None:
             return statistics.median(r[key] for r in res[on][kind])
         stats = llms[True].stats.prefix_cache
         print(f"{name} (num_spec={args.num_spec}, max_tokens={args.max_tokens}, {args.rounds} rounds, medians; "
+              f"snapshot interval {llms[True].engine.prefix_snapshot_interval}; "
               f"outputs equal on/off)")
         s_on, s_off = med(True, "shared", "hit_ttft"), med(False, "shared", "hit_ttft")
         print(f"  16 x 1,500-token shared prefix: TTFT of a hit {s_on * 1e3:.1f} ms on, {s_off * 1e3:.1f} ms off: "

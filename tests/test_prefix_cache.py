@@ -8,7 +8,8 @@ after preemption; num_spec 0..4 with the MTP head (whose KV keys hold the token 
 block), the Gemma 4 assistant (reads the target's KV) and a draft model (its own KV groups in
 the same blocks); seeded sampling; n samples; a request whose last verify step partially
 accepted its drafts, then one sharing its prefix and outputs; a hit where the state snapshot
-is a block behind the KV; a sliding-window hit whose blocks below the window are gone; a
+is a block behind the KV, and the snapshot a request writes where it leaves the cached KV; a
+sliding-window hit whose blocks below the window are gone; a
 5-turn chat; reset_prefix_cache; the allocator's keys and LRU.
 """
 
@@ -202,6 +203,16 @@ def test_snapshot_block_behind_kv():
     llm.reset_prefix_cache()
     p = _prompt(100, salt=5)
     assert _run(llm, "qwen3_next", [p, p[:90] + [4, 4, 4]]) == [0, 64]
+
+
+def test_a_request_leaving_the_cached_kv_snapshots_there():
+    """Qwen3-Next: a request whose prompt leaves the cached KV between two snapshot boundaries
+    (80, snapshots at 64 and 96) writes a snapshot where it left (80), so the next request
+    sharing that prefix resumes at 80, not 64."""
+    llm = _llm("qwen3_next", 2, prefix_snapshot_interval=32)
+    p = _prompt(100, salt=5)
+    # tails of 20 and 15 tokens: their own last full blocks (96) are past where they leave p
+    assert _run(llm, "qwen3_next", [p, p[:90] + _prompt(20, salt=6), p[:90] + _prompt(15, salt=7)]) == [0, 64, 80]
 
 
 def test_sliding_window_hit_past_the_window():

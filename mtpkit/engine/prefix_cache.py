@@ -187,17 +187,19 @@ class PrefixCache:
         extend_keys(r.block_keys, r.all_token_ids, self.block_size, self.lookahead, self.root)
         return r.block_keys
 
-    def match(self, keys: list[bytes], max_blocks: int, pools) -> tuple[int, list[list[int]], int | None]:
+    def match(self, keys: list[bytes], max_blocks: int, pools) -> tuple[int, list[list[int]], int | None, int]:
         """The longest hit of at most `max_blocks` blocks: (blocks k, each pool's table
         entries for positions 0 .. k*block_size - 1 (0 below a sliding pool's window), the
-        snapshot entry of boundary k (stateful models)). A full pool needs every block below
-        the boundary, a sliding pool those its first query there still reads
-        (KVPools.keep_from), a stateful model a snapshot at the boundary too."""
+        snapshot entry of boundary k (stateful models), the blocks the full pools hold
+        whatever the snapshots). A full pool needs every block below the boundary, a sliding
+        pool those its first query there still reads (KVPools.keep_from), a stateful model a
+        snapshot at the boundary too."""
         caches = [self.blocks[p.name] for p in pools.pools]
         longest = min(max_blocks, len(keys))
         for pool, c in zip(pools.pools, caches):
             if pool.sliding_window is None or not pools.recycle:
                 longest = next((i for i in range(longest) if keys[i] not in c.index), longest)
+        kv = longest
         for k in range(longest, 0, -1):
             snap = self.snapshots.lookup(keys[k - 1]) if self.stateful else None
             if self.stateful and snap is None:
@@ -210,8 +212,8 @@ class PrefixCache:
                     break
                 tables.append([0] * lo + ids)
             else:
-                return k, tables, snap
-        return 0, [], None
+                return k, tables, snap, kv
+        return 0, [], None, kv
 
     def stats(self) -> PrefixCacheStats:
         c = self.counters

@@ -126,11 +126,14 @@ class Request:
     controls: ControlState | None = dataclasses.field(default=None, repr=False)
     # Prefix caching (engine/prefix_cache.py): the keys of its blocks so far, how many of its
     # blocks are keyed (the hit's, then each one its steps complete), the prompt tokens its
-    # first admission took from the cache, its newest decode-time state snapshot.
+    # first admission took from the cache, its newest decode-time state snapshot, and where
+    # its prompt leaves the cached KV (a snapshot is written there: the requests after it
+    # that share the same prefix resume at that point, not at an interval boundary before it).
     block_keys: list = dataclasses.field(default_factory=list, repr=False)
     num_keyed: int = 0
     num_cached_tokens: int = 0
     decode_snapshot: int | None = None
+    kv_match_end: int = 0
 
     def __post_init__(self):
         if self.params.logprobs is not None and self.output_logprobs is None:

@@ -22,8 +22,8 @@ sampler needs the last one's logits): its tables take the hit's blocks, and for 
 recurrent state a restore of the boundary's snapshot into its slots is queued. After every
 step the blocks below num_computed (accepted tokens only) are keyed. With recurrent state, a
 prefill step writes state snapshots inside its chunks (StepPlan.snapshots: every
-prefix_snapshot_interval tokens and the last full block before the prompt's last token, no
-split chunk), and the state after a prefill that ends on a block boundary is saved; a verify
+prefix_snapshot_interval tokens, the last full block before the prompt's last token and
+where the prompt leaves the cached KV, no split chunk), and the state after a prefill that ends on a block boundary is saved; a verify
 step whose accepted tokens cross a block boundary saves the state after the boundary's token
 (its bundle slot).
 """
@@ -181,7 +181,8 @@ class Scheduler:
         end = r.fork_at if r.forks else r.prefill_target
         if r.prompt_logprobs is not None:   # positions whose prompt logprobs are not known yet are computed
             end = min(end, len(r.prompt_logprobs))
-        k, entries, snap = self.prefix.match(self.prefix.keys(r), (end - 1) // self.cfg.block_size, self.pools)
+        k, entries, snap, kv = self.prefix.match(self.prefix.keys(r), (end - 1) // self.cfg.block_size, self.pools)
+        r.kv_match_end = kv * self.cfg.block_size
         if k:
             r.block_tables = self.pools.adopt(entries)
             r.num_keyed, r.num_computed = k, k * self.cfg.block_size
@@ -189,16 +190,17 @@ class Scheduler:
 
     def _plan_snapshots(self, reqs: list[Request], lens: list[int]) -> list[tuple[int, int, int]]:
         """State snapshots a prefill step writes inside its chunks (recurrent state): after
-        each multiple of the interval and the last full block before the prompt's last token,
-        where the chunk passes them: (row, position within the chunk, snapshot entry)."""
+        each multiple of the interval, the last full block before the prompt's last token and
+        the end of the KV the cache held for the prompt (where the prompt left what earlier
+        requests cached: the next request sharing that prefix resumes there), where the chunk
+        passes them: (row, position within the chunk, snapshot entry)."""
         if self.prefix is None or not self.prefix.stateful:
             return []
         bs, every, out = self.cfg.block_size, self.prefix.snapshot_interval, []
         for i, (r, n) in enumerate(zip(reqs, lens)):
             start, end, last = r.num_computed, r.num_computed + n, (r.prefill_target - 1) // bs * bs
             bounds = set(range((start // every + 1) * every, end + 1, every))
-            if start < last <= end:
-                bounds.add(last)
+            bounds |= {b for b in (last, r.kv_match_end) if start < b <= end}
             keys = self.prefix.keys(r)
             for b in sorted(bounds):
                 if b < r.prefill_target and b // bs <= len(keys):
