@@ -3,7 +3,8 @@ Qwen3-Next, a state snapshot) of the longest cached prefix of its tokens, and it
 the uncached run's, token for token, with the first generated position's logprobs equal to
 1e-9 (float64 embedded models).
 
-Cases: hits at a block boundary, in the middle of a block, of a whole prompt, after eviction,
+Cases: hits at a block boundary, in the middle of a block, of a whole prompt (also with
+chunked prefill), after eviction,
 after preemption; num_spec 0..4 with the MTP head (whose KV keys hold the token after the
 block), the Gemma 4 assistant (reads the target's KV) and a draft model (its own KV groups in
 the same blocks); seeded sampling; n samples; a request whose last verify step partially
@@ -127,6 +128,15 @@ def test_hits_equal_uncached(family, num_spec):
     stats = llm.stats.prefix_cache
     assert stats.hit_tokens - before.hit_tokens == sum(cached) and stats.cached_blocks > 0
     assert stats.queries - before.queries == 8    # the runs from an empty cache too
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "gemma4"])
+def test_hits_equal_uncached_with_chunked_prefill(family):
+    """Prefill chunks of 24 tokens (not a multiple of the block): the hits, the keys and the
+    snapshots written inside chunks are those of one-chunk prefills."""
+    llm = _llm(family, 3, max_num_batched_tokens=24)
+    cached = _run(llm, family, [BASE, BOUNDARY, MID, WHOLE])
+    assert cached == [0, 64 if family == "qwen3_next" else 80, 80, 80]
 
 
 def _prefilled_kv(llm: LLM, prompt: list[int]) -> dict:
