@@ -32,6 +32,7 @@ PARAMS = [SamplingParams(max_tokens=10, ignore_eos=True),
           SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.9, seed=11),
           SamplingParams(max_tokens=6, ignore_eos=True)]
 LONG = SamplingParams(max_tokens=60, ignore_eos=True)
+INTERRUPTED = SamplingParams(max_tokens=90, ignore_eos=True)   # a call Ctrl-C stops midway
 SERVED = [("def f(", False), ("class A:", True)]   # (prompt, streamed) sent to rank 0's server
 
 
@@ -71,11 +72,34 @@ def _leader(llm: LLM) -> dict:
             if len(ev.output.token_ids) >= 3 and aborted is None:
                 aborted = llm.abort(ev.output.request_id)
             final = ev.output
-        logits = llm.score([7, 8, 9])
+        interrupted = _interrupted_call(llm)
+        logits = llm.score([7, 8, 9])   # after the interrupt the ranks are still in step
     after = llm.generate(calls[0], PARAMS[0])[0].token_ids   # the same-calls mode again
     return {"results": results, "errors": errors, "bad": [o.error is not None for o in bad], "aborted": aborted,
             "finish": final.finish_reason, "num_tokens": len(final.token_ids), "logits": logits, "after": after,
-            "async_refused": async_refused}
+            "async_refused": async_refused, "interrupted": interrupted}
+
+
+def _interrupted_call(llm: LLM) -> bool:
+    """Ctrl-C in rank 0's main thread while its call runs steps (it lands inside a step or
+    between two): the call raises KeyboardInterrupt and its requests are aborted on every rank."""
+    import _thread
+    import time
+
+    def interrupter():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if any(r.params.max_tokens == INTERRUPTED.max_tokens and len(r.output_token_ids) >= 3
+                   for r in list(llm.scheduler.running)):
+                _thread.interrupt_main()
+                return
+            time.sleep(0.002)
+    threading.Thread(target=interrupter, daemon=True).start()
+    try:
+        llm.generate([[6, 7, 8], [9, 10]], INTERRUPTED)
+    except KeyboardInterrupt:
+        return not llm.scheduler.has_unfinished()
+    return False
 
 
 def _follower(llm: LLM) -> dict:
@@ -202,6 +226,7 @@ def test_rank0_leads_threads_and_asyncio_and_rank1_follows(ranks):
     # would have met other ones, or it would have run on with the aborted request)
     assert r0["aborted"] and r0["finish"] == "abort" and r0["num_tokens"] < LONG.max_tokens
     assert r0["steps"] == r1["steps"]
+    assert r0["interrupted"], "Ctrl-C on rank 0 stops its call (its requests aborted on both ranks)"
     assert any(len(ids) >= 2 for _, ids, _ in r0["steps"]), "the callers' requests shared steps"
     assert r1["ended"] == "end" and r1["whole"], "leaving lead() ends follow(), nothing left running"
     assert r0["after"] == r1["after"] == want[0][0]

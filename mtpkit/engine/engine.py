@@ -6,8 +6,10 @@ values against the tokenizer and max_model_len), runs steps, aborts, and scores 
 through its own prefill path. engine/build.py builds one from a checkpoint.
 """
 
+import contextlib
 import functools
 import itertools
+import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -49,7 +51,7 @@ def _serialized(method):
         with self._turn:
             self._pending += 1
         try:
-            with self._lock:
+            with self._lock, _interrupts_held(self):
                 return method(self, *args, **kwargs)
         finally:
             with self._turn:
@@ -66,9 +68,33 @@ def _steps_wait(method):
         check_caller(self)
         with self._turn:
             self._turn.wait_for(lambda: not self._pending)
-        with self._lock:
+        with self._lock, _interrupts_held(self):
             return method(self, *args, **kwargs)
     return run
+
+
+@contextlib.contextmanager
+def _interrupts_held(engine):
+    """Leading a TP group (engine/follow.py), every call publishes what it does and the
+    followers run the same collectives with rank 0: a Ctrl-C (SIGINT, or _thread.interrupt_main)
+    reaching rank 0's main thread inside a call would leave them in a step or a broadcast rank 0
+    abandoned. So while leading, the outermost call on the main thread holds it until the call
+    has ended, then raises it (the caller's stream aborts its requests as usual, published).
+    Elsewhere (not leading, a nested call, another thread, which SIGINT never interrupts)
+    nothing changes."""
+    if engine.leader is None or engine._holding or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda *_: held.append(1))
+    engine._holding = True
+    try:
+        yield
+    finally:
+        engine._holding = False
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
 
 
 class Engine:
@@ -98,6 +124,7 @@ class Engine:
         # Tensor parallelism led by rank 0 (engine/follow.py): rank 0's publisher of its ops, or
         # on a follower the thread replaying them.
         self.leader: Leader | None = None
+        self._holding = False   # a call on the main thread holds Ctrl-C while leading (_interrupts_held)
         self.follower_thread: int | None = None
         self.step_log = StepLog()   # the last steps' request ids and token counts (engine/step_log.py)
         self._assemble(cache, pool_sizes)

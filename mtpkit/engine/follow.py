@@ -12,9 +12,10 @@ rebuilds from the same inputs. Rank 0's callers may then be any number of thread
 tasks or an HTTP server (engine/loop.py). The transport is the group's own:
 torch.distributed broadcast of a pickled op from rank 0 (gloo on CPU, NCCL on GPUs).
 
-What this does not make safe: a step interrupted on rank 0 midway (Ctrl-C) leaves the
-followers in that step's collectives, and a rank 0 that dies without closing leaves them
-waiting for the next op until the process group's timeout, as with any lost rank.
+A Ctrl-C on rank 0's main thread while it leads is held until the engine call it lands in has
+ended (engine._interrupts_held), so no collective is left half-run. What this does not make
+safe: a rank 0 that dies without closing leaves the followers waiting for the next op until
+the process group's timeout, as with any lost rank.
 """
 
 import dataclasses
