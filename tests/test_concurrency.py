@@ -161,7 +161,9 @@ def test_an_interrupted_caller_aborts_only_its_own_requests(llms, serial, name):
     except KeyboardInterrupt:
         pass
     else:
-        pytest.fail(f"the call returned without the interrupt (interrupter: {seen}, returned at {time.monotonic()})")
+        import signal
+        pytest.fail(f"the call returned without the interrupt (interrupter: {seen}, returned at {time.monotonic()}, "
+                    f"SIGINT handler {signal.getsignal(signal.SIGINT)!r})")
     after = llm.engine.step_log.num_steps   # the interrupted call's abort has run: no later step may hold its requests
     for th in threads:
         th.join(timeout=120)
