@@ -45,11 +45,24 @@ def _libc():
 _LIBC = _libc()
 
 
+# Module-level memos some test files keep (LLMs built once per configuration, reference outputs).
+_MEMOS = ("_LLMS", "_REFS", "_REF", "_REFERENCE")
+
+
 @pytest.fixture(autouse=True, scope="module")
-def _give_back_memory():
-    """After each test file: collect what its tests left (models, engines in reference cycles)
-    and hand the freed heap back (malloc_trim)."""
+def _give_back_memory(request):
+    """After each test file: empty its module-level memos (`_MEMOS`: the module object lives on,
+    and under pytest-xdist a worker runs many files after it), closing the LLMs in them; collect
+    what its tests left (models, engines in reference cycles) and hand the freed heap back
+    (malloc_trim)."""
     yield
+    for name in _MEMOS:
+        memo = getattr(request.module, name, None)
+        if isinstance(memo, dict):
+            for value in memo.values():
+                if hasattr(value, "close") and hasattr(value, "engine"):   # an LLM
+                    value.close()
+            memo.clear()
     import gc
     gc.collect()
     if _LIBC is not None:
