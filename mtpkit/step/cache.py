@@ -61,7 +61,8 @@ class StateSave:
 
 
 def _copy_rows(t: Tensor, pairs: list[tuple[int, int]]) -> None:
-    """t[dst] = t[src] for each pair, in order: one indexed copy when no destination repeats
+    """(t: any pool tensor whose first dim is its rows, KV blocks, state slots or snapshots, so
+    no one shape name fits.) t[dst] = t[src] for each pair, in order: one indexed copy when no destination repeats
     or is read by another pair, else one by one."""
     src, dst = [a for a, _ in pairs], [b for _, b in pairs]
     if len(set(dst)) == len(dst) and not set(dst) & set(src):

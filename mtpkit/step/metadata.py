@@ -136,7 +136,8 @@ def _slots(positions: Int[Tensor, "num_tokens"], tables: Int[Tensor, "kv_pools n
     return blocks * block_size + positions % block_size
 
 
-def _snapshots(snapshots, lens: list[int], qsl: Tensor, device: torch.device) -> StateSnapshots | None:
+def _snapshots(snapshots, lens: list[int], qsl: Int[Tensor, "num_reqs+1"], device: torch.device
+               ) -> StateSnapshots | None:
     """StateSnapshots from (row, position within the chunk, snapshot id) triples (None: none)."""
     if not snapshots:
         return None
