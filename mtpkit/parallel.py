@@ -109,6 +109,8 @@ class TP:
             pieces.append(torch.zeros(shape, dtype=pieces[0].dtype if pieces else torch.float32))
         return torch.cat(pieces, dim=dim)
 
+    # The collectives below take any tensor (activations, logits, sampled tokens, drafts): their
+    # callers' boundaries carry the shape names; here no one name fits.
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
             dist.all_reduce(x, group=self.group)
