@@ -20,6 +20,7 @@ from mtpkit.engine.args import EngineArgs
 from mtpkit.engine.build import build_engine, open_checkpoint
 from mtpkit.engine.inputs import (id_sequence, is_bool, normalize_sampling_params, prompt_list, short_repr,
                                   utf8_text)
+from mtpkit.engine import interrupts
 from mtpkit.engine.follow import follow as follow_ops
 from mtpkit.engine.loop import run_call, stream_call
 from mtpkit.engine.request import CompletionOutput, Request, RequestOutput, SpecStats, Status
@@ -283,7 +284,8 @@ class LLM:
             for i, (ids, sp) in valid.items():
                 reqs[i] = self._enqueue(ids, sp)
         except BaseException:  # all or nothing: an interrupt here leaves no request queued
-            self.engine.abort(list(reqs.values()))
+            with interrupts.held("redeliver"):   # nor does a second one
+                self.engine.abort(list(reqs.values()))
             raise
         return prompts, reqs, problems
 
@@ -330,7 +332,11 @@ class LLM:
                     if finished:
                         del live[r.req_id]
         finally:
-            self.engine.abort([s for r in reqs.values() for s in (r.samples or [r])])
+            # Uncut by a second Ctrl-C, and run by the collector for an abandoned stream, maybe
+            # in the main thread during another call: a Ctrl-C held here goes back to the main
+            # thread afterwards (engine/interrupts.py).
+            with interrupts.held("redeliver"):
+                self.engine.abort([s for r in reqs.values() for s in (r.samples or [r])])
 
     def generate(self, prompts, sampling_params=None, *, errors: str = "raise",
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -496,7 +502,8 @@ class LLM:
         collected, or at the end of `with LLM(...) as llm:`. Calls after close raise."""
         engine = self.__dict__.get("engine")
         if engine is not None:
-            engine.close()
+            with interrupts.held():   # a Ctrl-C meanwhile is raised once it is closed
+                engine.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -506,7 +513,10 @@ class LLM:
 
     def __del__(self) -> None:
         try:
-            self.close()
+            # The collector may run this in the main thread during another call: a Ctrl-C
+            # landing here goes back to that call (engine/interrupts.py), not into the void.
+            with interrupts.held("redeliver"):
+                self.close()
         except Exception:   # noqa: BLE001 - interpreter shutdown: nothing left to give back
             pass
 

@@ -9,7 +9,6 @@ through its own prefill path. engine/build.py builds one from a checkpoint.
 import contextlib
 import functools
 import itertools
-import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -17,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from mtpkit.config import EngineConfig
-from mtpkit.engine import cpu_threads
+from mtpkit.engine import cpu_threads, interrupts
 from mtpkit.engine.allocators import SlotAllocator
 from mtpkit.engine.follow import Leader, Op, check_caller
 from mtpkit.engine.kv_pools import KVPools
@@ -73,28 +72,13 @@ def _steps_wait(method):
     return run
 
 
-@contextlib.contextmanager
 def _interrupts_held(engine):
     """Leading a TP group (engine/follow.py), every call publishes what it does and the
-    followers run the same collectives with rank 0: a Ctrl-C (SIGINT, or _thread.interrupt_main)
-    reaching rank 0's main thread inside a call would leave them in a step or a broadcast rank 0
-    abandoned. So while leading, the outermost call on the main thread holds it until the call
-    has ended, then raises it (the caller's stream aborts its requests as usual, published).
-    Elsewhere (not leading, a nested call, another thread, which SIGINT never interrupts)
-    nothing changes."""
-    if engine.leader is None or engine._holding or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = []
-    previous = signal.signal(signal.SIGINT, lambda *_: held.append(1))
-    engine._holding = True
-    try:
-        yield
-    finally:
-        engine._holding = False
-        signal.signal(signal.SIGINT, previous)
-    if held:
-        raise KeyboardInterrupt
+    followers run the same collectives with rank 0: a Ctrl-C reaching rank 0's main thread inside
+    a call would leave them in a step or a broadcast rank 0 abandoned. So while leading, the
+    outermost call on the main thread holds it until the call has ended, then raises it (the
+    caller's stream aborts its requests as usual, published): engine/interrupts.py."""
+    return interrupts.held() if engine.leader is not None else contextlib.nullcontext()
 
 
 class Engine:
@@ -124,7 +108,6 @@ class Engine:
         # Tensor parallelism led by rank 0 (engine/follow.py): rank 0's publisher of its ops, or
         # on a follower the thread replaying them.
         self.leader: Leader | None = None
-        self._holding = False   # a call on the main thread holds Ctrl-C while leading (_interrupts_held)
         self.follower_thread: int | None = None
         self.step_log = StepLog()   # the last steps' request ids and token counts (engine/step_log.py)
         self._assemble(cache, pool_sizes)
@@ -264,6 +247,7 @@ class Engine:
         A streaming caller reports its tokens at every step this way, whoever ran it
         (engine/loop.py). After a step that raised elsewhere, [] (the caller's next advance
         steps itself)."""
+        interrupts.raise_pending()   # a Ctrl-C held in a finalizer that ran since (engine/interrupts.py)
         with self._steps:
             if self._stepping:
                 ended = self._steps_ended

@@ -13,7 +13,7 @@ tasks or an HTTP server (engine/loop.py). The transport is the group's own:
 torch.distributed broadcast of a pickled op from rank 0 (gloo on CPU, NCCL on GPUs).
 
 A Ctrl-C on rank 0's main thread while it leads is held until the engine call it lands in has
-ended (engine._interrupts_held), so no collective is left half-run. What this does not make
+ended (engine._interrupts_held, engine/interrupts.py), so no collective is left half-run. What this does not make
 safe: a rank 0 that dies without closing leaves the followers waiting for the next op until
 the process group's timeout, as with any lost rank.
 """
