@@ -187,6 +187,29 @@ def _rank(rank: int, port: int, http_port: int, root: str) -> None:
     dist.destroy_process_group()
 
 
+def _rank_dies(rank: int, port: int, root: str) -> None:
+    """Rank 0 leads, then its process ends without closing; rank 1 is following."""
+    import time
+
+    import torch.distributed as dist
+
+    from mtpkit.engine.follow import RankGone
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
+                            timeout=datetime.timedelta(seconds=60))
+    llm = LLM(MODEL, num_spec=2, **F64)
+    if rank == 0:
+        with llm.lead():
+            llm.generate([3, 4, 5], PARAMS[0])
+            os._exit(3)
+    start = time.monotonic()
+    try:
+        llm.follow()
+        out = {"raised": None}
+    except RankGone as e:
+        out = {"raised": str(e), "after": time.monotonic() - start}
+    torch.save(out, Path(root) / "follower.pt")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -240,6 +263,22 @@ def test_rank0_leads_threads_and_asyncio_and_rank1_follows(ranks):
     ref.close()
 
 
+def test_a_follower_whose_leader_dies_raises_at_once(tmp_path):
+    port, env = _free_port(), {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2"}
+    env.pop("LOCAL_RANK", None)
+    procs = [subprocess.Popen([sys.executable, __file__, "die", str(r), str(port), str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        logs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 3, logs[0][-2000:]
+    out = torch.load(tmp_path / "follower.pt")
+    assert out["raised"] and "rank 0, which is gone" in out["raised"], (out, logs[1][-2000:])
+    assert out["after"] < 30, out   # not the process group's 60 s timeout
+
+
 def test_lead_and_follow_refuse_a_single_process():
     with LLM(MODEL, enforce_eager=True) as llm:
         with pytest.raises(InputError, match="follow"):
@@ -249,4 +288,7 @@ def test_lead_and_follow_refuse_a_single_process():
 
 
 if __name__ == "__main__":
-    _rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    if sys.argv[1] == "die":
+        _rank_dies(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    else:
+        _rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
