@@ -325,8 +325,9 @@ class LLM:
                             new_lps = self._decode_logprobs(r.output_logprobs[start:seen[r.req_id]])
                         if start == 0 and r.prompt_logprobs is not None:  # complete once a token is out
                             self._decode_logprobs(r.prompt_logprobs[1:])
-                        out, d = self._output(r, texts), detok[r.req_id]
+                        d = detok[r.req_id]
                         delta = d.add(new, final=finished)
+                        out = self._output(r, texts, detok)
                         yield StreamEvent(index[r.req_id], new, d.text, finished, out, delta, new_lps,
                                           r.sample_index)
                     if finished:
@@ -419,15 +420,23 @@ class LLM:
                                        chat_template=chat_template, **(chat_template_kwargs or {}))
         return self.generate(ids if len(ids) > 1 else ids[0], sampling_params, errors=errors, use_tqdm=use_tqdm)
 
-    def _completion(self, r: Request, built: dict | None = None) -> CompletionOutput:
+    def _completion(self, r: Request, built: dict | None = None,
+                    detoks: dict[int, IncrementalDetokenizer] | None = None) -> CompletionOutput:
         """Sample r as a CompletionOutput; `built` keeps the last one per sample, reused while
-        r has neither new tokens nor an end."""
+        r has neither new tokens nor an end. `detoks`: a stream's detokenizers, whose decoded
+        text is r's when they have taken all its tokens (decoding the whole output at every
+        event would cost a stream time quadratic in its length)."""
         key = (len(r.output_token_ids), r.finish_reason)
         if built is not None and built.get(r.req_id, (None,))[0] == key:
             return built[r.req_id][1]
         text = None
         if self.tokenizer is not None:
-            text = cut_at_stop(self.tokenizer.decode(r.output_token_ids), r.params.stop)
+            d = None if detoks is None else detoks.get(r.req_id)
+            if d is not None and len(d.token_ids) == key[0]:
+                decoded = d.decoded
+            else:
+                decoded = self.tokenizer.decode(r.output_token_ids)
+            text = cut_at_stop(decoded, r.params.stop)
         out = CompletionOutput(r.sample_index, r.req_id, list(r.output_token_ids), text, r.finish_reason, r.stats,
                                None if r.output_logprobs is None else list(r.output_logprobs), r.error,
                                r.num_preemptions, list(r.token_steps), list(r.token_draft_positions))
@@ -435,9 +444,10 @@ class LLM:
             built[r.req_id] = (key, out)
         return out
 
-    def _output(self, r: Request, built: dict | None = None) -> RequestOutput:
+    def _output(self, r: Request, built: dict | None = None,
+                detoks: dict[int, IncrementalDetokenizer] | None = None) -> RequestOutput:
         """The RequestOutput of r's prompt: every sample in .outputs, the fields those of sample 0."""
-        outs = [self._completion(s, built) for s in (r.samples or [r])]
+        outs = [self._completion(s, built, detoks) for s in (r.samples or [r])]
         first, o = (r.samples or [r])[0], outs[0]
         return RequestOutput(first.req_id, list(first.prompt_token_ids), o.token_ids, o.text,
                              o.finish_reason, o.spec_stats, o.error, o.num_preemptions,

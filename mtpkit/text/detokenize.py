@@ -15,9 +15,38 @@ may still become one is held back too (see text/stop_strings.py).
 REPLACEMENT = "\ufffd"
 
 
+class DecodeWindow:
+    """The text of a growing token sequence, decoded a window at a time, as serving engines
+    detokenize: each new end decodes the window from the last settled boundary (`prefix`) and
+    appends what it adds to the text decoded up to `read`; a window that ends in U+FFFD (a
+    character not yet complete) waits for more tokens. A step then costs two small decodes
+    whatever the sequence's length (decoding it whole at every step is quadratic in it), and for
+    byte-level and SentencePiece-style decoders (a leading space stripped alike in both decodes)
+    the text equals decoding the whole sequence. (Not where a run of byte-fallback tokens is not
+    valid UTF-8: such a decoder turns each byte of the run into U+FFFD, and a boundary inside it
+    may change how many.)"""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.text = ""   # the settled text: ids[:read] decoded
+        self.prefix = self.read = 0
+
+    def take(self, ids: list[int], n: int) -> str:
+        """Take in ids[:n] (ids[:read] taken before); returns the unsettled tail as decoded
+        now ("" once it settled), so that text + tail is ids[:n] decoded."""
+        before = self.tokenizer.decode(ids[self.prefix:self.read]) if self.read > self.prefix else ""
+        window = self.tokenizer.decode(ids[self.prefix:n])
+        if len(window) > len(before) and not window.endswith(REPLACEMENT):
+            self.text += window[len(before):]
+            self.prefix, self.read = self.read, n
+            return ""
+        return window[len(before):]
+
+
 class IncrementalDetokenizer:
     """Feed token ids with `add`; it returns the new final text (the delta). `text` is all the
-    final text so far; after `add(..., final=True)` it is the whole decoded text.
+    final text so far; after `add(..., final=True)` it is the whole decoded text. `decoded` is
+    every id fed so far decoded (what tokenizer.decode of them gives), nothing held back.
 
     `tokenizer`: a tokenizers.Tokenizer (or anything with `decode(ids) -> str`), or None for a
     checkpoint without one (every delta is then ""). `stop`: the request's stop strings."""
@@ -27,6 +56,8 @@ class IncrementalDetokenizer:
         self.stop = list(stop)
         self.token_ids: list[int] = list(token_ids)
         self.text = ""
+        self.decoded = ""
+        self._window = DecodeWindow(tokenizer)
 
     def add(self, token_ids, final: bool = False) -> str:
         """Append `token_ids`; return the text that became final. `final=True` (no more tokens
@@ -34,7 +65,8 @@ class IncrementalDetokenizer:
         self.token_ids.extend(token_ids)
         if self.tokenizer is None:
             return ""
-        decoded = self.tokenizer.decode(self.token_ids)
+        tail = self._window.take(self.token_ids, len(self.token_ids))
+        decoded = self.decoded = self._window.text + tail
         # A trailing U+FFFD may be an incomplete character a later token completes: hold it.
         ready = decoded if final else decoded.rstrip(REPLACEMENT)
         if self.stop:

@@ -9,7 +9,7 @@ is the start of a stop string, until the next token shows whether it becomes one
 
 from collections.abc import Sequence
 
-from mtpkit.text.detokenize import REPLACEMENT
+from mtpkit.text.detokenize import DecodeWindow
 
 
 def first_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
@@ -40,29 +40,19 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> str:
 class StopStringMatcher:
     """Finds the token that completes a stop string in a request's output, token by token.
 
-    The text is built incrementally, as serving engines detokenize: each token decodes a
-    window from the previous settled boundary (`prefix`) and appends what it adds to the text
-    decoded up to `read`; a window that ends in U+FFFD (a character not yet complete) waits
-    for the next token. So a step costs a few small decodes, whatever the output's length,
-    and for byte-level and SentencePiece-style decoders the text equals decoding the whole
-    output."""
+    The text is built incrementally, token by token (text/detokenize.py DecodeWindow: a few
+    small decodes per step whatever the output's length), and only its settled part is searched."""
 
     def __init__(self, tokenizer, stops: Sequence[str]):
         self.tokenizer, self.stops = tokenizer, list(stops)
         self.longest = max(len(s) for s in self.stops)
-        self.text = ""          # the output's settled text
-        self.prefix = 0         # token where the decode window starts
-        self.read = 0           # tokens whose text is in self.text
+        self.window = DecodeWindow(tokenizer)   # .text: the output's settled text
         self.num_seen = 0       # tokens looked at
-        self.searched = 0       # no stop begins before this index of self.text
+        self.searched = 0       # no stop begins before this index of the settled text
 
-    def _advance(self, ids: list[int], n: int) -> None:
-        """Take in token n-1 of ids."""
-        before = self.tokenizer.decode(ids[self.prefix:self.read])
-        window = self.tokenizer.decode(ids[self.prefix:n])
-        if len(window) > len(before) and not window.endswith(REPLACEMENT):
-            self.text += window[len(before):]
-            self.prefix, self.read = self.read, n
+    @property
+    def text(self) -> str:
+        return self.window.text
 
     def find(self, output_ids: list[int], num_new: int) -> int | None:
         """Index, among the last `num_new` of `output_ids` (the earlier ones were given
@@ -74,7 +64,7 @@ class StopStringMatcher:
             # appending): start over from the output as it is.
             self.__init__(self.tokenizer, self.stops)
         for n in range(self.num_seen + 1, len(output_ids) + 1):
-            self._advance(output_ids, n)
+            self.window.take(output_ids, n)
             self.num_seen = n
             if first_stop(self.text, self.stops, self.searched) is not None:
                 return max(n - 1 - base, 0)
