@@ -38,7 +38,7 @@ def test_budget_sizes_the_pools(ckpt, capsys):
     # the allocated caches are the plan's, and they take what the budget leaves (to one block)
     cache = [t for t in _flatten(llm.cache)]
     assert _bytes(cache) == plan.cache_bytes
-    left = budget - plan.weight_bytes - plan.activation_bytes - plan.cache_bytes
+    left = budget - plan.weight_bytes - plan.activation_bytes - plan.control_bytes - plan.cache_bytes
     assert 0 <= left < plan.bytes_per_block
     ecfg = llm.engine_config
     assert plan.num_slots == 1 + ecfg.max_num_seqs * ecfg.bundle
@@ -52,6 +52,11 @@ def test_budget_sizes_the_pools(ckpt, capsys):
     assert bigger.num_blocks == plan.num_blocks + 100 and bigger.num_slots == plan.num_slots
     out = llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=8))
     assert all(len(o.token_ids) == 8 for o in out)
+    # the generation controls' tables, allocated at the first step using one, are what was reserved
+    assert llm.runner.control_tables is None and plan.control_bytes > 0
+    assert "generation controls' tables" in err
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, repetition_penalty=1.3))
+    assert _bytes(llm.runner.control_tables.tensors()) == plan.control_bytes
 
 
 def _flatten(cache):

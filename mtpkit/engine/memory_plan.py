@@ -10,7 +10,9 @@ caches, sized from what is left by engine/pool_sizing.py (plan_pools): the state
 max_num_seqs requests (`bundle` each, the null slot), the sliding-window KV pools at the sizes
 their windows bound, the prefix cache's state snapshots (a state slot's bytes each; models with
 recurrent state), the full-attention KV pool every byte left, at least one request at
-max_model_len (shorter requests share it).
+max_model_len (shorter requests share it). The generation controls' tables (a row of
+counts, flags and biases per running request and vocabulary entry) are reserved before the caches:
+they are allocated at the first step that uses a control.
 Too little for one request is a ConfigError with the numbers, raised before any weight is
 read. CUDA-graph memory is not measured (graphs are captured lazily, after the plan).
 """
@@ -46,6 +48,7 @@ class MemoryPlan:
     sliding_bytes: int = 0          # the sliding-window pools, sized by their windows
     sliding_blocks: dict = dataclasses.field(default_factory=dict)   # pool name -> blocks
     num_snapshots: int = 0          # the prefix cache's state snapshots (bytes_per_slot each)
+    control_bytes: int = 0          # the generation controls' tables (sampling/controls.py ControlTables)
 
     @property
     def cache_bytes(self) -> int:
@@ -60,8 +63,9 @@ class MemoryPlan:
         if self.num_snapshots:
             state += (f", {self.num_snapshots} prefix-cache state snapshots of {gib(self.bytes_per_slot)} "
                       f"({gib(self.num_snapshots * self.bytes_per_slot)})")
+        controls = f" + generation controls' tables {gib(self.control_bytes)}" if self.control_bytes else ""
         return (f"mtpkit memory plan: budget {gib(self.budget)} = weights {gib(self.weight_bytes)} + "
-                f"activations {gib(self.activation_bytes)} ({self.activation_source}) + caches "
+                f"activations {gib(self.activation_bytes)} ({self.activation_source}){controls} + caches "
                 f"{gib(self.cache_bytes)}: {self.num_blocks} KV blocks "
                 f"({gib(self.num_blocks * self.bytes_per_block)}){sliding}{state}; at most {self.max_concurrent} "
                 f"concurrent requests at max_model_len={self.max_model_len}")

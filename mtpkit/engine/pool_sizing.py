@@ -17,6 +17,7 @@ import torch
 from mtpkit.config import EngineConfig
 from mtpkit.engine.kv_pools import blocks_for, window_demand
 from mtpkit.engine.memory_plan import MemoryPlan, activation_estimate, gib, weight_bytes
+from mtpkit.sampling.controls import ControlTables, controls_dtype
 from mtpkit.errors import ConfigError
 from mtpkit.step.cache_spec import CacheSpec
 
@@ -137,10 +138,11 @@ def size_pools(spec: CacheSpec, ecfg: EngineConfig, dtype: torch.dtype, *, num_b
 def plan_pools(*, budget: int, weight_bytes: int, activation_bytes: int, activation_source: str,
                spec: CacheSpec, block_size: int, dtype: torch.dtype, max_blocks: int, bundle: int,
                max_num_seqs: int, max_model_len: int, source: str,
-               sliding_blocks: dict[str, int] | None = None, snapshots: int = 0) -> MemoryPlan:
+               sliding_blocks: dict[str, int] | None = None, snapshots: int = 0,
+               control_bytes: int = 0) -> MemoryPlan:
     """The pools' sizes from a budget; `source` names the budget in the error (e.g.
     "memory_budget=..."). `sliding_blocks`: the sliding-window pools' sizes (kv_pool_sizes),
-    fixed here."""
+    fixed here. `control_bytes`: the generation controls' tables (ControlTables.bytes_for)."""
     sliding_blocks = sliding_blocks or {}
     pools = {p.name: p for p in spec.pools}
     bpb = pools["full"].bytes_per_block(block_size, dtype) if "full" in pools else 0
@@ -153,12 +155,14 @@ def plan_pools(*, budget: int, weight_bytes: int, activation_bytes: int, activat
     num_slots = 1 + max_num_seqs * bundle if spec.has_state else None
     state = ((num_slots or 0) + snapshots) * bps + sliding
     kv_min = (1 + max_blocks) * bpb
-    left = budget - weight_bytes - activation_bytes - state
+    left = budget - weight_bytes - activation_bytes - control_bytes - state
     if left < kv_min:
-        need = weight_bytes + activation_bytes + state + kv_min
+        need = weight_bytes + activation_bytes + control_bytes + state + kv_min
         raise ConfigError(
             f"the model cannot fit in {source}: budget {gib(budget)}, but weights need {gib(weight_bytes)}, "
             f"activations {gib(activation_bytes)} ({activation_source}), "
+            + (f"the generation controls' tables {gib(control_bytes)} (max_num_seqs={max_num_seqs} rows of the "
+               "vocabulary), " if control_bytes else "")
             + (f"the state pool {gib((num_slots or 0) * bps)} ({num_slots} slots of {bps} B: bundle={bundle} per "
                f"request for max_num_seqs={max_num_seqs}, and the null slot), " if num_slots else "")
             + (f"the prefix cache's {snapshots} state snapshots {gib(snapshots * bps)} (num_prefix_snapshots), "
@@ -171,7 +175,8 @@ def plan_pools(*, budget: int, weight_bytes: int, activation_bytes: int, activat
     num_blocks = left // bpb if bpb else 2
     max_concurrent = min(max_num_seqs, (num_blocks - 1) // max_blocks) if bpb else max_num_seqs
     return MemoryPlan(budget, weight_bytes, activation_bytes, activation_source, num_blocks, num_slots,
-                      bpb, bps, max_concurrent, max_model_len, sliding, dict(sliding_blocks), snapshots)
+                      bpb, bps, max_concurrent, max_model_len, sliding, dict(sliding_blocks), snapshots,
+                      control_bytes)
 
 
 def plan_memory(budget: tuple[int, str], spec: CacheSpec, ecfg: EngineConfig, dtype: torch.dtype, *,
@@ -188,7 +193,8 @@ def plan_memory(budget: tuple[int, str], spec: CacheSpec, ecfg: EngineConfig, dt
     return plan_pools(budget=budget[0], weight_bytes=weight_bytes(meta, dtype), activation_bytes=activation_bytes,
                       activation_source=source, spec=spec, block_size=ecfg.block_size, dtype=dtype,
                       max_blocks=ecfg.max_blocks, bundle=ecfg.bundle, max_num_seqs=ecfg.max_num_seqs,
-                      max_model_len=ecfg.max_model_len, source=budget[1], sliding_blocks=sliding, snapshots=snapshots)
+                      max_model_len=ecfg.max_model_len, source=budget[1], sliding_blocks=sliding, snapshots=snapshots,
+                      control_bytes=ControlTables.bytes_for(ecfg.max_num_seqs + 1, vocab, controls_dtype(dtype)))
 
 
 def pool_bytes(spec: CacheSpec, sizes: PoolSizes, block_size: int, dtype: torch.dtype) -> int:

@@ -98,6 +98,12 @@ class ControlInputs:
     ints: Int[Tensor, "3 num_reqs"]
     floats: Float[Tensor, "3 num_reqs"]
 
+    @staticmethod
+    def bytes_for(num_slots: int, vocab: int, dtype: torch.dtype) -> int:
+        """What the tables of `num_slots` rows take (the memory plan reserves it: they are
+        allocated at the first step that uses a control, after the pools)."""
+        return num_slots * vocab * (2 * dtype.itemsize + 2)
+
     def tensors(self) -> tuple[Tensor, ...]:
         """In apply_controls' argument order."""
         return self.ints, self.floats
@@ -116,6 +122,12 @@ class ControlTables:
         self.static: Float[Tensor, "control_slots vocab"] = torch.zeros(num_slots, vocab, dtype=dtype, device=device)
         self.stop: Bool[Tensor, "control_slots vocab"] = torch.zeros(num_slots, vocab, dtype=torch.bool, device=device)
         self._free = list(range(num_slots - 1, 0, -1))
+
+    @staticmethod
+    def bytes_for(num_slots: int, vocab: int, dtype: torch.dtype) -> int:
+        """What the tables of `num_slots` rows take (the memory plan reserves it: they are
+        allocated at the first step that uses a control, after the pools)."""
+        return num_slots * vocab * (2 * dtype.itemsize + 2)
 
     def tensors(self) -> tuple[Tensor, ...]:
         """In apply_controls' argument order."""
