@@ -29,7 +29,7 @@ Each check prints `PASS name (s)` or `FAIL name (s): first difference`, goes on 
 or an exception, and is skipped (SKIP) when --budget seconds have passed; exit 0 when all
 passed, 1 when any failed, 3 when some were skipped.
 
-    python benchmarks/gpu_wave.py [--checks controls prefix ...] [--max-tokens 24] [--budget 140]
+    python benchmarks/gpu_wave.py [--checks controls prefix ...] [--max-tokens 24] [--budget SECONDS]
     python benchmarks/gpu_wave.py --device cpu --max-tokens 6 --real-shrink   # this script's logic
 
 --plant-fault NAME compares check NAME's second run against a perturbed copy (its last token
@@ -39,6 +39,7 @@ changed): that check must FAIL (the harness's own test, tests/test_gpu_scripts.p
 import argparse
 import gc
 import json
+import os
 import re
 import sys
 import tempfile
@@ -406,7 +407,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script's own logic")
     ap.add_argument("--checks", nargs="+", default=CHECKS, choices=CHECKS)
     ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--budget", type=float, default=140.0, help="seconds; later checks are skipped (SKIP)")
+    ap.add_argument("--budget", type=float, default=max(20.0, float(os.environ.get("PART_CAP", 160)) - 20),
+                    help="seconds after which the checks left are skipped (SKIP); default: gpu_all.sh's cap "
+                         "for this part (PART_CAP) less 20 s, else 140")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.05)
     ap.add_argument("--real-layers", type=int, default=4)
     ap.add_argument("--real-experts", type=int, default=64)
