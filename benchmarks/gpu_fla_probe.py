@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     import torch
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken install
         print(f"fla probe: SKIP, fla-core does not import ({type(e).__name__}: {e})")
         return 1
     from mtpkit.kernels import gdn as ref
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
                 o = fn(q, k, v, a, b, A_log, dt_bias, p, qsl, read, write, has_init)
                 if dev == "cuda":
                     torch.cuda.synchronize()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - whatever fla raises turns it off
                 print(f"fla probe {dtype}: FAIL, {name} raised {type(e).__name__}: {e}")
                 return 1
             outs[name] = (o.float(), p.float())

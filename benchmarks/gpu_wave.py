@@ -17,7 +17,7 @@ Qwen3-Next config at real widths:
                inside the chunks on CUDA): same tokens, the counters show hits; Qwen3-Next's hit
                resumes from a snapshot
   threads      4 threads on one LLM (greedy, seeded, controls, structured) == the serial calls
-  memory       the memory plan (CUDA: gpu_memory_utilization, measured by the profile run;
+  memory       the memory plan (CUDA: gpu_memory_utilization leaving --plan-gib GiB, measured by the profile run;
                CPU: memory_budget, estimated): tokens == the default pools'
   assistant    Gemma 4 with its assistant through graphs == greedy without drafts
   sliding      Gemma 4 sliding-window recycling (Triton on CUDA) with a context far past the
@@ -38,6 +38,7 @@ changed): that check must FAIL (the harness's own test, tests/test_gpu_scripts.p
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import re
@@ -127,7 +128,7 @@ class Checks:
                 status = "PASS"
             except Failed as e:
                 status, detail = "FAIL", str(e)
-            except Exception as e:  # report and go on: one check failing must not hide the others
+            except Exception as e:  # noqa: BLE001 - report and go on: one failing check must not hide the others
                 traceback.print_exc()
                 status, detail = "FAIL", f"{type(e).__name__}: {e}"
             dt = time.perf_counter() - t
@@ -157,7 +158,7 @@ class Checks:
                                   presence_penalty=0.3, frequency_penalty=0.2, min_p=0.05, logit_bias={t1: 2.0}))]
         return plain, rows
 
-    def controls_on(self, eager, graphs, tag, prompt=PROMPTS[0]):
+    def controls_on(self, eager, graphs, tag, prompt=PROMPTS[0], trained=True):
         plain, rows = self.controls_rows(eager, prompt)
         params = [p for _, p in rows]
         te = [o.token_ids for o in eager.generate([prompt] * len(rows), params)]
@@ -170,9 +171,12 @@ class Checks:
         unbanned = [lb for lb in ("logit_bias", "bad_words") if te[labels.index(lb)][:1] == plain[:1]]
         if unbanned:
             raise Failed(f"{tag}: {unbanned} left the banned first token {plain[0]}")
-        if te[0] != plain:
-            raise Failed(f"{tag}: the plain row beside controlled rows: {first_difference([plain], [te[0]])}")
-        return f"{tag}: {len(rows)} rows"
+        # Alone vs in a batch of 9: other GEMM shapes. A trained model's tokens must not change
+        # (near ties are rare); random weights have many, so there it is only reported.
+        alone = "plain row as alone" + ("" if te[0] == plain else f" differs: {first_difference([plain], [te[0]])}")
+        if te[0] != plain and trained:
+            raise Failed(f"{tag}: the {alone}")
+        return f"{tag}: {len(rows)} rows" + ("" if trained else f" ({alone})")
 
     def check_controls(self):
         out = []
@@ -236,7 +240,7 @@ class Checks:
                     common = set(da) & set(db)
                     if len(common) < len(da) - 1:   # a near tie may swap the last of the top 5
                         raise Failed(f"{model} prompt {i} position {j}: top tokens {sorted(da)} vs {sorted(db)}")
-                    diff = max(abs(da[t].logprob - db[t].logprob) for t in common if da[t].logprob > -1e30)
+                    diff = max((abs(da[t].logprob - db[t].logprob) for t in common if da[t].logprob > -1e30), default=0.0)
                     worst = max(worst, diff)
                     if diff > LOGPROB_TOL:
                         raise Failed(f"{model} prompt {i} position {j}: logprobs differ by {diff:.2e} > {LOGPROB_TOL}")
@@ -273,7 +277,7 @@ class Checks:
             for name, llm in (("off", off), ("on", on)):
                 got[name] = [[o.token_ids for o in llm.generate(c, sp)] for c in calls]
             cached = [o.num_cached_tokens for o in on.generate(calls[1], sp)]
-            self.same("prefix", f"{model} caching on vs off", sum(got["off"], []), sum(got["on"], []))
+            self.same("prefix", f"{model} caching on vs off", flat(got["off"]), flat(got["on"]))
             stats = on.stats.prefix_cache
             if stats.hit_tokens <= before or min(cached) <= 0:
                 raise Failed(f"{model}: no hit ({stats}; cached tokens {cached})")
@@ -289,28 +293,29 @@ class Checks:
                  (PROMPTS[1:3], SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.8, seed=21)),
                  (PROMPTS[2:4], SamplingParams(max_tokens=n, ignore_eos=True, repetition_penalty=1.2, min_p=0.1,
                                                temperature=0.7, seed=5)),
-                 (PROMPTS[3:4], SamplingParams(max_tokens=max(n, 32), structured_outputs=StructuredOutputs(regex=REGEX)))]
+                 (PROMPTS[3:4], SamplingParams(max_tokens=max(n, 32),
+                                               structured_outputs=StructuredOutputs(regex=REGEX)))]
         for model in (QWEN, GEMMA):
             llm = self.llm(model)
             serial = [[o.token_ids for o in llm.generate(p, sp)] for p, sp in calls]
             got, errors = [None] * len(calls), []
             barrier = threading.Barrier(len(calls))
 
-            def call(i):
+            def call(i, llm, got, errors, barrier):
                 try:
                     barrier.wait()
                     got[i] = [o.token_ids for o in llm.generate(*calls[i])]
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - named in the check's FAIL line
                     errors.append(f"thread {i}: {type(e).__name__}: {e}")
 
-            threads = [threading.Thread(target=call, args=(i,)) for i in range(len(calls))]
+            threads = [threading.Thread(target=call, args=(i, llm, got, errors, barrier)) for i in range(len(calls))]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
             if errors:
                 raise Failed(f"{model}: " + "; ".join(errors))
-            self.same("threads", f"{model} 4 threads vs serial", sum(serial, []), sum(got, []))
+            self.same("threads", f"{model} 4 threads vs serial", flat(serial), flat(got))
         return f"{len(calls)} threads, both families"
 
     def check_memory(self):
@@ -319,8 +324,12 @@ class Checks:
         notes = []
         for model in (QWEN, GEMMA):
             ref = [o.token_ids for o in self.llm(model).generate(PROMPTS, sp)]
-            budget = dict(gpu_memory_utilization=self.args.gpu_memory_utilization) if self.cuda \
-                else dict(memory_budget=64 << 20)
+            if self.cuda:   # a utilization that leaves --plan-gib GiB beyond what this process already holds
+                import torch
+                free, total = torch.cuda.mem_get_info()
+                budget = dict(gpu_memory_utilization=min(1.0, (total - free + (self.args.plan_gib << 30)) / total))
+            else:
+                budget = dict(memory_budget=64 << 20)
             planned = self.llm(model, **budget)
             plan = planned.memory_plan
             want = "measured" if self.cuda else "estimated"
@@ -387,9 +396,15 @@ class Checks:
         kw = dict(load_format="dummy", seed=0)
         out = self.controls_on(self.llm(path, eager=True, **kw), self.llm(path, **kw),
                                f"{cfg['vocab_size']} vocab, {cfg['num_experts']} experts",
-                               prompt=[(17 * j + 5) % cfg["vocab_size"] for j in range(12)])   # no tokenizer
+                               prompt=[(17 * j + 5) % cfg["vocab_size"] for j in range(12)],   # no tokenizer
+                               trained=False)
         self.close_all()
         return out
+
+
+def flat(calls):
+    """One list of outputs from a list of calls' outputs."""
+    return list(itertools.chain.from_iterable(calls))
 
 
 def first_difference(a, b) -> str:
@@ -407,10 +422,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script's own logic")
     ap.add_argument("--checks", nargs="+", default=CHECKS, choices=CHECKS)
     ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--budget", type=float, default=max(20.0, float(os.environ.get("PART_CAP", 160)) - 20),
+    ap.add_argument("--budget", type=float, default=max(20.0, float(os.environ.get("PART_CAP", "160")) - 20),
                     help="seconds after which the checks left are skipped (SKIP); default: gpu_all.sh's cap "
                          "for this part (PART_CAP) less 20 s, else 140")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.05)
+    ap.add_argument("--plan-gib", type=int, default=1, help="memory: the budget gpu_memory_utilization leaves (GiB)")
     ap.add_argument("--real-layers", type=int, default=4)
     ap.add_argument("--real-experts", type=int, default=64)
     ap.add_argument("--real-shrink", action="store_true", help="real-widths at tiny widths (CPU runs)")
