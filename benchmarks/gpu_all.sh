@@ -6,14 +6,15 @@
 #   fla-probe   benchmarks/gpu_fla_probe.py: fla-core's chunked GDN prefill against the
 #               reference; unless it passes, MTPKIT_USE_FLA=0 for every later part (T_FLA)
 #   tests       the suite's CUDA tests: the Triton kernel (state snapshots included), fused-MoE
-#               and fused elementwise tests natively on the GPU, the sm_90 compile test, the
-#               roofline byte counts (T_TESTS)
+#               and fused elementwise tests natively on the GPU (mtpkit's own kernels:
+#               MTPKIT_USE_FLA=0), the sm_90 compile test, the roofline byte counts (T_TESTS)
 #   wave        benchmarks/gpu_wave.py: this wave's features, CUDA graphs vs enforce_eager
 #               (controls, structured output, logprobs, n samples, prefix caching, threads, the
 #               memory plan's profile run, the Gemma 4 assistant, sliding-window recycling on
 #               Triton, controls at real widths) (T_WAVE; WAVE_ARGS)
-#   check       gpu_check.py parts 1-4: graphs vs eager at real shapes, the embedded model,
-#               decode latency, Gemma 4 at real widths (T_CHECK; CHECK_ARGS)
+#   check       gpu_check.py parts 2, 4, 1, 3 in that order: the embedded model with MTP, Gemma 4
+#               at real widths (never ran), graphs vs eager at real Qwen3-Next shapes, decode
+#               latency (T_CHECK; CHECK_ARGS replaces "--parts 2 4 1 3")
 #   roof-qwen   roofline.py, Qwen3-Next real shapes (ROOF_LAYERS layers), batch 1 and 8,
 #               num_spec 0 and 3 (T_ROOF per run)
 #   fp8         gpu_check.py part 5 = gpu_fp8.py, FP8 kept in FP8 (T_FP8; FP8_ARGS)
@@ -106,7 +107,9 @@ if wanted fla-probe; then
     fi
 fi
 if wanted tests; then
-    MTPKIT_TRITON_TEST_DEVICE=cuda run_part tests "$T_TESTS" 60 "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider $XDIST \
+    # MTPKIT_USE_FLA=0: the tests check mtpkit's own kernels (the recurrent prefill too); fla's
+    # prefill was checked by the probe.
+    MTPKIT_USE_FLA=0 MTPKIT_TRITON_TEST_DEVICE=cuda run_part tests "$T_TESTS" 60 "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider $XDIST \
         tests/test_triton_kernels.py tests/test_triton_moe.py tests/test_triton_elementwise.py tests/test_triton_compile.py \
         tests/test_roofline.py
 fi
@@ -114,7 +117,7 @@ if wanted wave; then
     run_part wave "$T_WAVE" 40 "$OUT/wave.log" python3 benchmarks/gpu_wave.py ${WAVE_ARGS:-}
 fi
 if wanted check; then
-    run_part gpu_check "$T_CHECK" 60 "$OUT/gpu_check.log" python3 benchmarks/gpu_check.py ${CHECK_ARGS:-}
+    run_part gpu_check "$T_CHECK" 60 "$OUT/gpu_check.log" python3 benchmarks/gpu_check.py ${CHECK_ARGS:---parts 2 4 1 3}
 fi
 if wanted roof-qwen; then
     for spec in 0 3; do
