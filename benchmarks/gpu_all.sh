@@ -23,8 +23,9 @@
 #   kernels     gpu_kernels.py timings (the kernel tests ran under tests) (T_KERNELS)
 # Each part (each roofline run) runs under min(its own limit, the time left), told as PART_CAP
 # (gpu_wave.py stops starting checks 20 s before it); a part is skipped, and says so, when less
-# than its minimum is left (a limit of 0 disables it). PARTS="fp8 roof-gemma kernels" runs only
-# the parts named (e.g. a second call for what the first skipped); ROOF_ARGS are added to every
+# than its minimum is left (a limit of 0 disables it). PARTS="fla-probe fp8 roof-gemma kernels"
+# runs only the parts named (e.g. a second call for what the first skipped; without fla-probe,
+# fla-core's prefill is used unchecked wherever it imports, unless MTPKIT_USE_FLA=0); ROOF_ARGS are added to every
 # roofline run (e.g. "--experts 16 --vocab 2048" for a CPU run of the plumbing). DRY_RUN=1 prints
 # the plan without running anything, as if every part took its whole cap (the worst case).
 # At most 8 files come back from the device, so the logs are combined, 8 files in $OUT (the

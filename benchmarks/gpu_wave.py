@@ -190,7 +190,7 @@ class Checks:
             import jsonschema
         except ImportError:
             jsonschema = None
-        n = max(self.args.max_tokens, 64)   # room for the whole structure
+        n = max(self.args.max_tokens, 96)   # room for the whole structure (escapes in the name included)
         specs = [("json", StructuredOutputs(json=SCHEMA, disable_any_whitespace=True)),
                  ("regex", StructuredOutputs(regex=REGEX))]
         params, labels = [], []

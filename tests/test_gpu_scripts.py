@@ -90,6 +90,6 @@ def test_gpu_all_fits_one_device_call(tmp_path):
     assert [(p, cap) for p, cap, _ in plan] == [("fla-probe", 30), ("tests", 100), ("wave", 70)]
     assert skipped[0] == "gpu_check" and skipped[-1] == "gpu_kernels"
     # A second call for what the first skipped.
-    _, plan, skipped = _gpu_all_plan(tmp_path, PARTS="fp8 roof-gemma kernels")
-    assert [p for p, _, _ in plan] == (["gpu_fp8"] + [f"roofline {m} b1 k{k}" for m in ("gemma4-26b-a4b", "gemma4-31b")
+    _, plan, skipped = _gpu_all_plan(tmp_path, PARTS="fla-probe fp8 roof-gemma kernels")
+    assert [p for p, _, _ in plan] == (["fla-probe", "gpu_fp8"] + [f"roofline {m} b1 k{k}" for m in ("gemma4-26b-a4b", "gemma4-31b")
                                                       for k in (0, 3)] + ["gpu_kernels"]) and skipped == []
