@@ -232,7 +232,8 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="latency batches")
     ap.add_argument("--token-batches", type=int, nargs="+", default=[1, 3, 27], help="token-check batches")
     ap.add_argument("--specs", type=int, nargs="+", default=[0, 1, 2, 3])
-    ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4], choices=[1, 2, 3, 4, 5],
+                    help="run in the order given")
     ap.add_argument("--gemma-variants", nargs="+", default=["31B", "26B-A4B"], help="part 4: tests/gemma4_shapes.py")
     ap.add_argument("--gemma-layers", type=int, default=6)
     ap.add_argument("--gemma-vocab", type=int, default=None, help="part 4: a smaller vocabulary (CPU dry runs)")
@@ -249,11 +250,10 @@ def main() -> int:
     name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(f"device {name}, torch {torch.__version__}", flush=True)
     ok = True
-    for part, fn in ((1, lambda: check_real_shapes(path, args)), (2, lambda: check_tiny(args)),
-                     (3, lambda: latency(path, args)), (4, lambda: check_gemma4(args)),
-                     (5, lambda: gpu_fp8.check_fp8(fp8_args(args)))):
-        if part not in args.parts:
-            continue
+    parts = {1: lambda: check_real_shapes(path, args), 2: lambda: check_tiny(args), 3: lambda: latency(path, args),
+             4: lambda: check_gemma4(args), 5: lambda: gpu_fp8.check_fp8(fp8_args(args))}
+    for part in args.parts:   # in the order given (gpu_all.sh: what never ran first)
+        fn = parts[part]
         try:
             ok &= fn() is not False
         except Exception:  # report and go on: one part failing should not hide the others
