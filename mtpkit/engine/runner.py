@@ -274,6 +274,7 @@ class ModelRunner:
                 pending.settle()
             raise
         controlled = processed is not logits or masks is not None
+        tokens_all = num_all = None
         if sampling.all_greedy and not controlled and self.greedy_in_step:
             # The verify body's own outcome (sampling/rejection.greedy_verify, the rule
             # rejection_sample applies to greedy rows): tokens, num_emitted and the finite check
@@ -287,6 +288,8 @@ class ModelRunner:
             emitted_counts = [row[B] for row in packed]
             finite_list = [row[B + 1:] for row in packed]
             dead = {}
+            if self.graphs is not None and self.tp.size == 1:   # the proposal reads every row's, padded ones too
+                tokens_all, num_all = greedy[:, :B], greedy[:, B]
         else:
             if masks is not None:   # after the controls, in place, the constrained rows only
                 processed = masks.apply(processed, reqs, keep_raw=processed is logits)
@@ -304,6 +307,8 @@ class ModelRunner:
                 finite, live = both[:, B + 1:2 * B + 1], both[:, 2 * B + 1:]
             emitted_counts, tok_list, finite_list = num_emitted.tolist(), tokens.tolist(), finite.tolist()
             dead = self._dead_ends(live.tolist(), emitted_counts) if controlled else {}
+        if tokens_all is None:
+            tokens_all, num_all = tokens, num_emitted
         # Logprobs before the drafter runs (its replay may reuse the logits' buffers): bundle
         # index j of row i is the target's distribution at the token of position num_computed + 1 + j.
         ask = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
@@ -317,7 +322,7 @@ class ModelRunner:
         if self.drafter is not None:
             def propose(draft_masks):
                 if self.graphs is not None:
-                    drafts_out = self.graphs.propose(tokens, num_emitted, draft_masks)
+                    drafts_out = self.graphs.propose(tokens_all, num_all, draft_masks)
                 else:  # eager: no padded rows (n == R), so what was emitted is every row's
                     drafts_out = self.bodies.propose(meta.max_seq_len, hidden, tokens.reshape(-1), num_emitted,
                                                      *step, self.cache, draft_masks)

@@ -42,7 +42,6 @@ import dataclasses
 import warnings
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from mtpkit.step.metadata import PrefillMetadata, UniformRow, build_uniform
@@ -115,11 +114,11 @@ class StaticBuffers:
     num_emitted: Tensor      # [max_reqs]           (propose: how many)
     draft_limit: Tensor      # [max_reqs]           (verify: drafts each row may accept; padded rows 0)
     # The host side `fill` writes: numpy views of these tensors (CPU) or of pinned host copies
-    # of the verify fields (CUDA, copied over per field); and per pool and row, how far each
-    # block table row was written (what a later, shorter row must clear).
+    # of the verify fields (CUDA, copied over per field); and per pool and row, the block ids
+    # its table row holds (unwritten while they stay the same; what a shorter row must clear).
     host: dict = dataclasses.field(default_factory=dict)
     pinned: dict = dataclasses.field(default_factory=dict)   # CUDA: the host copies as tensors
-    table_len: list = dataclasses.field(default_factory=list)
+    table_rows: list = dataclasses.field(default_factory=list)
 
     # the fields a verify step fills from the host, in the verify body's argument order
     FILLED = ("token_ids", "positions", "slot_mappings", "seq_lens", "block_tables", "state_slots",
@@ -139,7 +138,6 @@ class StaticBuffers:
             if not cpu:
                 t = buf.pinned[name] = t.cpu().pin_memory()
             buf.host[name] = t.numpy()
-        buf.host["arange"] = np.arange(bundle, dtype=np.int64)
         return buf
 
     def make_inert(self, n: int, bundle: int) -> None:
@@ -155,54 +153,59 @@ class StaticBuffers:
         self.emitted[:n * bundle].zero_()
         self.num_emitted[:n].fill_(1)
         self.draft_limit[:n].zero_()
-        for lens in self.table_len:
-            lens[:n] = [0] * min(n, len(lens))
+        for written in self.table_rows:
+            written[:n] = [[] for _ in range(min(n, len(written)))]
         for name, t in self.pinned.items():   # CUDA: the host copies inert too
             t.copy_(getattr(self, name))
 
     def fill(self, rows: list[UniformRow], n: int, bundle: int, block_size: int, draft_limits: list[int]) -> None:
         """Rows 0..len(rows)-1 hold `rows` (a verify step's, `draft_limits` theirs), rows up to n
         inert padding: the values the metadata builder (mtpkit/step/metadata.build_uniform) gives,
-        written in place with numpy (a few ints per row), no tensor per field."""
+        computed in plain Python (a few ints per row) and written with one numpy assignment per
+        field, no tensor per field; a block table row only when it changed (in steady state a
+        request's table changes once per block_size tokens)."""
         h, R, B = self.host, len(rows), bundle
         T, N = R * B, n * B
         pools = len(rows[0].block_ids)
-        if not self.table_len:
-            self.table_len = [[0] * self.seq_lens.shape[0] for _ in range(pools)]
-        tok, pos, slots, tables = h["token_ids"], h["positions"], h["slot_mappings"], h["block_tables"]
-        tok[:T] = [t for r in rows for t in r.token_ids]
-        starts = np.array([r.start for r in rows], dtype=np.int64)
-        pos2 = pos[:T].reshape(R, B)
-        np.add(starts[:, None], h["arange"], out=pos2)
-        h["seq_lens"][:R] = starts + B
+        if not self.table_rows:
+            self.table_rows = [[[] for _ in range(self.seq_lens.shape[0])] for _ in range(pools)]
+        toks, positions, seq_lens = [], [], []
+        for r in rows:
+            toks += r.token_ids
+            positions += range(r.start, r.start + B)
+            seq_lens.append(r.start + B)
+        h["token_ids"][:T] = toks
+        h["positions"][:T] = positions
+        h["seq_lens"][:R] = seq_lens
         h["state_slots"][:R] = [r.state_slots for r in rows]
         h["prev_num_emitted"][:R] = [r.prev_num_emitted for r in rows]
         h["draft_limit"][:R] = draft_limits
-        blocks, offsets = np.divmod(pos2, block_size)
+        tables, slots = h["block_tables"], h["slot_mappings"]
         for p in range(pools):
-            table, lens = tables[p], self.table_len[p]
+            table, written, row_slots = tables[p], self.table_rows[p], []
             for i, r in enumerate(rows):
                 ids = r.block_ids[p]
-                m = len(ids)
-                table[i, :m] = ids
-                if lens[i] > m:
-                    table[i, m:lens[i]] = 0
-                lens[i] = m
-            slots[p, :T] = (np.take_along_axis(table[:R], blocks, 1) * block_size + offsets).reshape(-1)
-        if n > R:   # inert padded rows (mtpkit/step/metadata.py)
-            tok[T:N] = 0
-            pos[T:N].reshape(n - R, B)[:] = h["arange"]
-            slots[:, T:N] = pos[T:N] % block_size   # the null block's slots
+                if ids != written[i]:
+                    table[i, :len(ids)] = ids
+                    if len(written[i]) > len(ids):   # a shorter row than the last: clear the rest
+                        table[i, len(ids):len(written[i])] = 0
+                    written[i] = list(ids)
+                row_slots += [ids[q // block_size] * block_size + q % block_size for q in range(r.start, r.start + B)]
+            slots[p, :T] = row_slots
+        if n > R:   # inert padded rows (mtpkit/step/metadata.py): token 0, the null block and slot
+            h["token_ids"][T:N] = 0
+            h["positions"][T:N] = list(range(B)) * (n - R)
+            slots[:, T:N] = [q % block_size for q in range(B)] * (n - R)
             h["seq_lens"][R:n] = B
             h["state_slots"][R:n] = 0
             h["prev_num_emitted"][R:n] = 1
             h["draft_limit"][R:n] = 0
             for p in range(pools):
-                lens = self.table_len[p]
-                written = max(lens[R:n])
-                if written:
-                    tables[p, R:n, :written] = 0
-                    lens[R:n] = [0] * (n - R)
+                written = self.table_rows[p]
+                longest = max(len(w) for w in written[R:n])
+                if longest:
+                    tables[p, R:n, :longest] = 0
+                    written[R:n] = [[] for _ in range(n - R)]
         if self.pinned:   # CUDA: the host copies' rows over, in stream order (no host wait)
             for dst, src in zip(self.verify_inputs(n, bundle), self._views(self.pinned, n, bundle)):
                 dst.copy_(src, non_blocking=True)
@@ -420,14 +423,16 @@ class CapturedSteps:
     def propose(self, emitted: Int[Tensor, "num_reqs bundle"], num_emitted: Int[Tensor, "num_reqs"],
                 draft_masks: DraftMasks | None = None) -> Int[Tensor, "num_reqs num_spec"]:
         """Replay propose[n] for the rows filled by the last `verify`, which emitted
-        emitted[i, :num_emitted[i]] (padded rows: one token 0). With `draft_masks` (constrained
+        emitted[i, :num_emitted[i]] (padded rows: one token 0 unless given: the greedy outcome's
+        rows of all n, whose padded rows are as inert, emit one token). With `draft_masks` (constrained
         rows: each pass's mask is read back from the host) the body is called on the buffers instead."""
         last = self._last
         n, (R, B), buf = last.num_reqs_padded, emitted.shape, self.buf
         buf.emitted[:R * B].view(R, B).copy_(emitted)
-        buf.emitted[R * B:n * B].zero_()
         buf.num_emitted[:R].copy_(num_emitted)
-        buf.num_emitted[R:n].fill_(1)
+        if R < n:
+            buf.emitted[R * B:n * B].zero_()
+            buf.num_emitted[R:n].fill_(1)
         if draft_masks is not None:
             return self.bodies.propose(last.max_seq_len, self.outputs[n]["hidden"], buf.emitted[:n * B],
                                        buf.num_emitted[:n], *buf.inputs(n, B), self.cache, draft_masks)[:R]
