@@ -47,8 +47,6 @@ def rejection_sample(
     max_tokens drafts only what fits); drafts past it are never accepted.
     `seeds[i]`: row i's sampling seed (None for a greedy row); `positions[i]`: the absolute
     position of the token sampled at bundle index 0 (index j samples position + j)."""
-    R, B, _ = logits.shape
-    k = B - 1
     target = logits.argmax(-1)
     if not st.all_greedy:
         rand = [i for i, g in enumerate(st.greedy.tolist()) if not g]
