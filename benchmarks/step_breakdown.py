@@ -5,15 +5,17 @@ that make up a step with time.perf_counter accumulators (monkeypatched here, res
 and attributes the time between any two wrapper events to the innermost phase running, so the
 phases are exclusive times that partition the step's wall time:
 
-    verify graph     the traced verify body's replay (target forward + logits at every bundle position)
+    verify graph     the traced verify body's replay (target forward + logits at every bundle position + the
+                     greedy outcome: argmax, accepted drafts, finite check, sampling/rejection.greedy_verify)
     propose graph    the traced propose body's replay (the drafter's proposal)
     schedule         Scheduler.schedule
-    metadata         CapturedSteps.verify / .propose outside their graph calls: build_uniform and the
-                     copies into the static buffers
+    metadata         CapturedSteps.verify / .propose outside their graph calls: StaticBuffers.fill (the
+                     rows written into the static buffers) and the proposal's copies of what was emitted
     sampling         ModelRunner._sampling, SamplingTensors.from_params
-    rejection        rejection_sample
+    rejection        rejection_sample: not run by these greedy steps, whose outcome the verify graph computes
+                     (ModelRunner.greedy_in_step); it runs for sampled or controlled steps
     step glue        Engine.advance / Engine.step, ModelRunner.execute / _verify outside the phases above: the
-                     UniformRows, the draft limits, the non-finite check, .tolist(), the ReqResults
+                     UniformRows, the draft limits, the outcome's .tolist(), the ReqResults
     bookkeeping      Scheduler.update and _append outside the stop checks
     stop checks      StopStringMatcher.find (in _append), first_stop / partial_stop_len (in the
                      detokenizer), cut_at_stop (in LLM._output)
@@ -330,6 +332,7 @@ class Breakdown:
             skip.add("propose graph")
         if not self.has_stop:
             skip.add("stop checks")
+        skip.add("rejection")   # greedy steps: their outcome is the verify graph's (ModelRunner.greedy_in_step)
         return tuple(p for p in PHASES if p not in skip)
 
 

@@ -46,6 +46,8 @@ DIMS: dict[str, str] = {
                   "a prefill step finished (padded to a graph size when that proposal is traced)",
     "num_spec": "draft tokens proposed per request per step (k)",
     "bundle": "tokens a request feeds the target in one verify step: num_spec + 1",
+    "outcome": "a verify step's greedy outcome per row (sampling/rejection.greedy_verify): bundle tokens, "
+               "num_emitted, bundle finite flags: 2 * bundle + 1",
     "num_tokens": "query tokens in a step (prefill: ragged sum; verify: num_reqs_padded*bundle)",
     "num_logits": "positions whose logits are computed in a step",
     "seq_len": "tokens of one sequence (score, prompts)",

@@ -42,6 +42,10 @@ class ModelRunner:
         self.bodies = StepBodies(model, drafter, ecfg.bundle)
         self.structured = StructuredMasks(device)   # grammar masks (structured outputs)
         self.control_tables: ControlTables | None = None   # the generation controls' rows, made when first needed
+        # An all-greedy verify step without controls takes the verify body's own greedy outcome
+        # (one small int tensor) instead of sampling its logits eagerly; False: always eager
+        # (tests compare the two).
+        self.greedy_in_step = True
         self.graphs: CapturedSteps | None = None
         if plan is not None:
             self.graphs = CapturedSteps(self.bodies, cache, ecfg, plan, device)
@@ -250,15 +254,16 @@ class ModelRunner:
         meta = None
         try:
             if self.graphs is not None:
-                hidden, logits, positions, token_ids = self.graphs.verify(rows, n)
+                hidden, logits, greedy, positions, token_ids, limit = self.graphs.verify(rows, n, limit_list)
+                limit = limit[:R]
             else:  # the body CapturedSteps captures, on this step's own tensors
                 token_ids, positions, meta = build_uniform(rows, n, self.cfg.block_size, self.cfg.max_blocks,
                                                            self.device)
+                limit = torch.tensor(limit_list, dtype=torch.int64, device=self.device)
                 step = verify_inputs(token_ids, positions, meta)
-                hidden, logits = self.bodies.verify(meta.max_seq_len, *step, self.cache)
+                hidden, logits, greedy = self.bodies.verify(meta.max_seq_len, *step, limit, self.cache)
             logits = logits.view(n, B, -1)[:R]
             drafts = token_ids.view(n, B)[:R, 1:]                             # [R, k]: d_1..d_k
-            limit = torch.tensor(limit_list, dtype=torch.int64, device=self.device)
             sampling = self._sampling([r.params for r in reqs])
             # Bundle index j samples the token at position num_computed + 1 + j.
             # The generation controls at every bundle position (drafts before it count as generated).
@@ -269,21 +274,41 @@ class ModelRunner:
                 pending.settle()
             raise
         controlled = processed is not logits or masks is not None
-        if masks is not None:   # after the controls, in place, the constrained rows only
-            processed = masks.apply(processed, reqs, keep_raw=processed is logits)
-        tokens, num_emitted = rejection_sample(processed, drafts, limit, sampling, [r.seed for r in reqs],
-                                          [r.num_computed + 1 for r in reqs])
-        # A row whose logits are not finite where they decide its tokens (NaN / inf weights or
-        # activations) ends its request with an error; the other rows go on. amax shows NaN and
-        # +inf (and a row of -inf): two ops per step, the rest on the host.
-        finite = torch.isfinite(logits.amax(-1)).long()                     # [R, B]
-        # Where the controls (and a grammar) left no token at all: a dead end (see _dead_ends).
-        live = self._live(logits, processed, controlled)                     # [R, B]
-        if self.tp.size > 1:  # one broadcast for all four: rank 0 decides
-            both = self.tp.broadcast(torch.cat([tokens, num_emitted[:, None], finite, live], dim=1))
-            tokens, num_emitted, finite, live = both[:, :B], both[:, B], both[:, B + 1:2 * B + 1], both[:, 2 * B + 1:]
-        emitted_counts, tok_list, finite_list = num_emitted.tolist(), tokens.tolist(), finite.tolist()
-        dead = self._dead_ends(live.tolist(), emitted_counts) if controlled else {}
+        tokens_all = num_all = None
+        if sampling.all_greedy and not controlled and self.greedy_in_step:
+            # The verify body's own outcome (sampling/rejection.greedy_verify, the rule
+            # rejection_sample applies to greedy rows): tokens, num_emitted and the finite check
+            # per row, read back at once.
+            out = greedy[:R]
+            if self.tp.size > 1:   # rank 0 decides
+                out = self.tp.broadcast(out.contiguous())
+            tokens, num_emitted = out[:, :B], out[:, B]
+            packed = out.tolist()
+            tok_list = [row[:B] for row in packed]
+            emitted_counts = [row[B] for row in packed]
+            finite_list = [row[B + 1:] for row in packed]
+            dead = {}
+            if self.graphs is not None and self.tp.size == 1:   # the proposal reads every row's, padded ones too
+                tokens_all, num_all = greedy[:, :B], greedy[:, B]
+        else:
+            if masks is not None:   # after the controls, in place, the constrained rows only
+                processed = masks.apply(processed, reqs, keep_raw=processed is logits)
+            tokens, num_emitted = rejection_sample(processed, drafts, limit, sampling, [r.seed for r in reqs],
+                                                   [r.num_computed + 1 for r in reqs])
+            # A row whose logits are not finite where they decide its tokens (NaN / inf weights or
+            # activations) ends its request with an error; the other rows go on. amax shows NaN and
+            # +inf (and a row of -inf): two ops per step, the rest on the host.
+            finite = torch.isfinite(logits.amax(-1)).long()                     # [R, B]
+            # Where the controls (and a grammar) left no token at all: a dead end (see _dead_ends).
+            live = self._live(logits, processed, controlled)                     # [R, B]
+            if self.tp.size > 1:  # one broadcast for all four: rank 0 decides
+                both = self.tp.broadcast(torch.cat([tokens, num_emitted[:, None], finite, live], dim=1))
+                tokens, num_emitted = both[:, :B], both[:, B]
+                finite, live = both[:, B + 1:2 * B + 1], both[:, 2 * B + 1:]
+            emitted_counts, tok_list, finite_list = num_emitted.tolist(), tokens.tolist(), finite.tolist()
+            dead = self._dead_ends(live.tolist(), emitted_counts) if controlled else {}
+        if tokens_all is None:
+            tokens_all, num_all = tokens, num_emitted
         # Logprobs before the drafter runs (its replay may reuse the logits' buffers): bundle
         # index j of row i is the target's distribution at the token of position num_computed + 1 + j.
         ask = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
@@ -297,7 +322,7 @@ class ModelRunner:
         if self.drafter is not None:
             def propose(draft_masks):
                 if self.graphs is not None:
-                    drafts_out = self.graphs.propose(tokens, num_emitted, draft_masks)
+                    drafts_out = self.graphs.propose(tokens_all, num_all, draft_masks)
                 else:  # eager: no padded rows (n == R), so what was emitted is every row's
                     drafts_out = self.bodies.propose(meta.max_seq_len, hidden, tokens.reshape(-1), num_emitted,
                                                      *step, self.cache, draft_masks)

@@ -1,10 +1,11 @@
 """The bodies of a step, written once: what every mode runs, eager or captured.
 
 - `verify`: the step's UniformMetadata from its tensors -> the target model -> logits at every
-  bundle position;
+  bundle position, and the greedy outcome (sampling/rejection.greedy_verify), which an
+  all-greedy step without controls takes as it is;
 - `propose`: what rejection sampling emitted -> `verify_outcome` -> DraftInputs -> the
-  drafter's proposal (rejection sampling runs between the two, eager: it reads the requests'
-  sampling settings on the host);
+  drafter's proposal (rejection sampling of other steps runs between the two, eager: it reads
+  the requests' sampling settings on the host);
 - `controls`: the generation controls' graph-safe part (sampling/controls.apply_controls) on
   the verify body's logits, the drafts it verified and the controls' tables; replayed after
   `verify` only in a step where some row uses a control;
@@ -19,6 +20,7 @@ known (a graph replays for any count up to its size): its metadata says `num_req
 """
 
 from mtpkit.sampling.controls import apply_controls
+from mtpkit.sampling.rejection import greedy_verify
 from mtpkit.shapes import Bool, Float, Int, Tensor, checked
 from mtpkit.step.cache import CacheTensors
 from mtpkit.step.draft import Drafter, DraftMasks, draft_inputs, verify_outcome
@@ -54,11 +56,20 @@ class StepBodies:
         slot_mappings: Int[Tensor, "kv_pools num_tokens"], seq_lens: Int[Tensor, "num_reqs_padded"],
         block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"],
         state_slots: Int[Tensor, "num_reqs_padded bundle"],
-        prev_num_emitted: Int[Tensor, "num_reqs_padded"], cache: CacheTensors,
-    ) -> tuple[Float[Tensor, "num_tokens hidden"], Float[Tensor, "num_tokens vocab"]]:
+        prev_num_emitted: Int[Tensor, "num_reqs_padded"], draft_limit: Int[Tensor, "num_reqs_padded"],
+        cache: CacheTensors,
+    ) -> tuple[Float[Tensor, "num_tokens hidden"], Float[Tensor, "num_tokens vocab"],
+               Int[Tensor, "num_reqs_padded 2*bundle+1"]]:
+        """(hidden, logits, greedy): the logits at every bundle position and the step's outcome
+        if every row is greedy without controls (sampling/rejection.greedy_verify: tokens,
+        num_emitted, finite), so that such a step reads back one small int tensor. `draft_limit`:
+        the drafts each row may accept (padded rows: 0)."""
         meta = self._meta(slot_mappings, seq_lens, block_tables, state_slots, prev_num_emitted, max_seq_len)
         hidden = self.model(token_ids, positions, meta, cache)
-        return hidden, self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        n = seq_lens.shape[0]
+        greedy = greedy_verify(logits.view(n, self.bundle, -1), token_ids.view(n, self.bundle)[:, 1:], draft_limit)
+        return hidden, logits, greedy
 
     @checked
     def controls(

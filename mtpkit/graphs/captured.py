@@ -5,10 +5,11 @@ The bodies are written once, in the engine (engine/step_bodies.py, the `Bodies` 
 below): eager mode calls the same functions. Two graphs per size n (each holds exactly
 n * bundle query tokens):
 - verify[n]: the verify body: target forward over the bundle tokens + logits at every bundle
-  position;
+  position + the greedy outcome (sampling/rejection.greedy_verify: tokens, num_emitted, finite
+  per row; what an all-greedy step without controls reads back instead of sampling eagerly);
 - propose[n]: the propose body: the drafter's proposal, reading the verify graph's hidden
   states and tokens and what rejection sampling emitted.
-Rejection sampling runs between them, eager (it reads the requests' sampling settings on the host).
+Rejection sampling of any other step runs between them, eager (it reads the requests' sampling settings on the host).
 In a step where some row uses a generation control, a third graph, controls[n], runs the
 controls body (sampling/controls.apply_controls) on verify[n]'s logits and tokens, the
 controls' per-row inputs (static buffers: slot, flag, penalties, min_tokens' positions;
@@ -30,6 +31,11 @@ How a graph is captured and replayed depends on the device:
   bodies are called directly on the buffers ("replay" = call).
 Every mode runs the same static-buffer path, so CI covers every padding and metadata path;
 `enforce_eager=True` calls the bodies on the step's own tensors, without this module.
+
+The buffers are a persistent batch: a verify step writes its rows' values straight into them
+from the host (`StaticBuffers.fill`: numpy views of the buffers on CPU, of pinned host copies
+copied over per field on CUDA), no tensor built per field and copied; padded rows are reset
+to inert values, and a block table row's stale tail is cleared only as far as it was written.
 """
 
 import dataclasses
@@ -67,7 +73,7 @@ class Bodies(Protocol):
     traceable: bool                      # every op is visible to torch.jit.trace (no collectives, no Triton)
 
     def verify(self, max_seq_len: int, token_ids, positions, slot_mappings, seq_lens, block_tables, state_slots,
-               prev_num_emitted, cache: CacheTensors) -> tuple[Tensor, Tensor]: ...
+               prev_num_emitted, draft_limit, cache: CacheTensors) -> tuple[Tensor, Tensor, Tensor]: ...
 
     def propose(self, max_seq_len: int, hidden, emitted, num_emitted, token_ids, positions, slot_mappings,
                 seq_lens, block_tables, state_slots, prev_num_emitted, cache: CacheTensors,
@@ -80,8 +86,8 @@ class Bodies(Protocol):
     def controls(self, logits, token_ids, ints, floats, counts, prompt_seen, static, stop) -> Tensor: ...
 
 
-# Tensor arguments of each body before the cache's (StaticBuffers.inputs for verify).
-VERIFY_INPUTS, PROPOSE_INPUTS, PREFILL_INPUTS = 7, 10, 7
+# Tensor arguments of each body before the cache's (StaticBuffers.verify_inputs for verify).
+VERIFY_INPUTS, PROPOSE_INPUTS, PREFILL_INPUTS = 8, 10, 7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +112,17 @@ class StaticBuffers:
     prev_num_emitted: Tensor     # [max_reqs]
     emitted: Tensor          # [max_reqs * bundle]  (propose: what the verify step emitted, per row)
     num_emitted: Tensor      # [max_reqs]           (propose: how many)
+    draft_limit: Tensor      # [max_reqs]           (verify: drafts each row may accept; padded rows 0)
+    # The host side `fill` writes: numpy views of these tensors (CPU) or of pinned host copies
+    # of the verify fields (CUDA, copied over per field); and per pool and row, the block ids
+    # its table row holds (unwritten while they stay the same; what a shorter row must clear).
+    host: dict = dataclasses.field(default_factory=dict)
+    pinned: dict = dataclasses.field(default_factory=dict)   # CUDA: the host copies as tensors
+    table_rows: list = dataclasses.field(default_factory=list)
+
+    # the fields a verify step fills from the host, in the verify body's argument order
+    FILLED = ("token_ids", "positions", "slot_mappings", "seq_lens", "block_tables", "state_slots",
+              "prev_num_emitted", "draft_limit")
 
     @classmethod
     def allocate(cls, max_reqs: int, bundle: int, max_blocks: int, pools: int, device) -> "StaticBuffers":
@@ -113,8 +130,14 @@ class StaticBuffers:
             return torch.zeros(*shape, dtype=torch.int64, device=device)
         n = max_reqs * bundle
         buf = cls(zeros(n), zeros(n), zeros(pools, n), zeros(max_reqs), zeros(pools, max_reqs, max_blocks),
-                  zeros(max_reqs, bundle), zeros(max_reqs), zeros(n), zeros(max_reqs))
+                  zeros(max_reqs, bundle), zeros(max_reqs), zeros(n), zeros(max_reqs), zeros(max_reqs))
         buf.make_inert(max_reqs, bundle)
+        cpu = torch.device(device).type == "cpu"
+        for name in cls.FILLED:
+            t = getattr(buf, name)
+            if not cpu:
+                t = buf.pinned[name] = t.cpu().pin_memory()
+            buf.host[name] = t.numpy()
         return buf
 
     def make_inert(self, n: int, bundle: int) -> None:
@@ -129,12 +152,79 @@ class StaticBuffers:
         self.prev_num_emitted[:n].fill_(1)
         self.emitted[:n * bundle].zero_()
         self.num_emitted[:n].fill_(1)
+        self.draft_limit[:n].zero_()
+        for written in self.table_rows:
+            written[:n] = [[] for _ in range(min(n, len(written)))]
+        for name, t in self.pinned.items():   # CUDA: the host copies inert too
+            t.copy_(getattr(self, name))
+
+    def fill(self, rows: list[UniformRow], n: int, bundle: int, block_size: int, draft_limits: list[int]) -> None:
+        """Rows 0..len(rows)-1 hold `rows` (a verify step's, `draft_limits` theirs), rows up to n
+        inert padding: the values the metadata builder (mtpkit/step/metadata.build_uniform) gives,
+        computed in plain Python (a few ints per row) and written with one numpy assignment per
+        field, no tensor per field; a block table row only when it changed (in steady state a
+        request's table changes once per block_size tokens)."""
+        h, R, B = self.host, len(rows), bundle
+        T, N = R * B, n * B
+        pools = len(rows[0].block_ids)
+        if not self.table_rows:
+            self.table_rows = [[[] for _ in range(self.seq_lens.shape[0])] for _ in range(pools)]
+        toks, positions, seq_lens = [], [], []
+        for r in rows:
+            toks += r.token_ids
+            positions += range(r.start, r.start + B)
+            seq_lens.append(r.start + B)
+        h["token_ids"][:T] = toks
+        h["positions"][:T] = positions
+        h["seq_lens"][:R] = seq_lens
+        h["state_slots"][:R] = [r.state_slots for r in rows]
+        h["prev_num_emitted"][:R] = [r.prev_num_emitted for r in rows]
+        h["draft_limit"][:R] = draft_limits
+        tables, slots = h["block_tables"], h["slot_mappings"]
+        for p in range(pools):
+            table, written, row_slots = tables[p], self.table_rows[p], []
+            for i, r in enumerate(rows):
+                ids = r.block_ids[p]
+                if ids != written[i]:
+                    table[i, :len(ids)] = ids
+                    if len(written[i]) > len(ids):   # a shorter row than the last: clear the rest
+                        table[i, len(ids):len(written[i])] = 0
+                    written[i] = list(ids)
+                row_slots += [ids[q // block_size] * block_size + q % block_size for q in range(r.start, r.start + B)]
+            slots[p, :T] = row_slots
+        if n > R:   # inert padded rows (mtpkit/step/metadata.py): token 0, the null block and slot
+            h["token_ids"][T:N] = 0
+            h["positions"][T:N] = list(range(B)) * (n - R)
+            slots[:, T:N] = [q % block_size for q in range(B)] * (n - R)
+            h["seq_lens"][R:n] = B
+            h["state_slots"][R:n] = 0
+            h["prev_num_emitted"][R:n] = 1
+            h["draft_limit"][R:n] = 0
+            for p in range(pools):
+                written = self.table_rows[p]
+                longest = max(len(w) for w in written[R:n])
+                if longest:
+                    tables[p, R:n, :longest] = 0
+                    written[R:n] = [[] for _ in range(n - R)]
+        if self.pinned:   # CUDA: the host copies' rows over, in stream order (no host wait)
+            for dst, src in zip(self.verify_inputs(n, bundle), self._views(self.pinned, n, bundle)):
+                dst.copy_(src, non_blocking=True)
 
     def inputs(self, n: int, bundle: int) -> tuple[Tensor, ...]:
         """The views a verify graph reads, in the verify body's argument order."""
+        return self._views(vars(self), n, bundle)[:-1]
+
+    def verify_inputs(self, n: int, bundle: int) -> tuple[Tensor, ...]:
+        """The views a verify body reads: `inputs` and the draft limits."""
+        return self._views(vars(self), n, bundle)
+
+    @classmethod
+    def _views(cls, fields: dict, n: int, bundle: int) -> tuple:
+        """fields' (FILLED: tensors or their host copies) views of graph size n, in FILLED's order."""
         T = n * bundle
-        return (self.token_ids[:T], self.positions[:T], self.slot_mappings[:, :T], self.seq_lens[:n],
-                self.block_tables[:, :n], self.state_slots[:n], self.prev_num_emitted[:n])
+        f = fields
+        return (f["token_ids"][:T], f["positions"][:T], f["slot_mappings"][:, :T], f["seq_lens"][:n],
+                f["block_tables"][:, :n], f["state_slots"][:n], f["prev_num_emitted"][:n], f["draft_limit"][:n])
 
 
 class CapturedSteps:
@@ -162,6 +252,8 @@ class CapturedSteps:
         self.control_graphs: dict = {}    # n -> CUDA graph / traced controls body
         self._control_uses: dict = {}
         self._control_buf: tuple[Tensor, ...] | None = None   # ControlInputs.ints / .floats, [3, max_reqs] each
+        self._args: dict = {}             # ("verify" | "propose", n) -> the bodies' buffer and cache arguments
+        self._cache_flat: tuple[Tensor, ...] | None = None
 
     # ---- what is traced or captured -------------------------------------------------------
     # A body with its context length fixed, over flat tensor arguments. The cache tensors are
@@ -179,12 +271,26 @@ class CapturedSteps:
     def _prefill_fn(self, max_seq_len: int):
         return self._flat(self.bodies.prefill_proposal, max_seq_len, PREFILL_INPUTS)
 
+    # The argument tuples are the same views of the same buffers and cache tensors every step
+    # (what a CUDA graph's capture relies on too): made once per size.
     def _verify_args(self, n: int) -> tuple[Tensor, ...]:
-        return self.buf.inputs(n, self.bundle) + self.cache.tensors()
+        args = self._args.get(("verify", n))
+        if args is None:
+            args = self._args["verify", n] = self.buf.verify_inputs(n, self.bundle) + self._cache_tensors()
+        return args
 
     def _propose_args(self, n: int, hidden: Float[Tensor, "num_tokens hidden"]) -> tuple[Tensor, ...]:
-        B, buf = self.bundle, self.buf
-        return (hidden, buf.emitted[:n * B], buf.num_emitted[:n]) + self._verify_args(n)
+        rest = self._args.get(("propose", n))
+        if rest is None:
+            B, buf = self.bundle, self.buf
+            rest = self._args["propose", n] = (buf.emitted[:n * B], buf.num_emitted[:n]) + buf.inputs(n, B) \
+                + self._cache_tensors()
+        return (hidden,) + rest
+
+    def _cache_tensors(self) -> tuple[Tensor, ...]:
+        if self._cache_flat is None:
+            self._cache_flat = self.cache.tensors()
+        return self._cache_flat
 
     # ---- capture ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -203,14 +309,14 @@ class CapturedSteps:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: allocator, kernels' first-launch work
-                    hidden, _ = verify(*args)
+                    hidden = verify(*args)[0]
                     if self.bodies.has_drafter:
                         propose(*self._propose_args(n, hidden))
             torch.cuda.current_stream().wait_stream(stream)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                hidden, logits = verify(*args)
-            self.verify_graphs[n], self.outputs[n] = g, {"hidden": hidden, "logits": logits}
+                hidden, logits, greedy = verify(*args)
+            self.verify_graphs[n], self.outputs[n] = g, {"hidden": hidden, "logits": logits, "greedy": greedy}
             if self.bodies.has_drafter:
                 gp = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(gp, pool=self.pool):
@@ -234,7 +340,7 @@ class CapturedSteps:
             verify = self._trace(self._verify_fn(context), args, f"verify_{n}_{context}")
             propose = None
             if self.bodies.has_drafter:
-                hidden, _ = verify(*args)
+                hidden = verify(*args)[0]
                 propose = self._trace(self._propose_fn(context), self._propose_args(n, hidden),
                                       f"propose_{n}_{context}")
             self.verify_graphs[key], self.propose_graphs[key] = verify, propose
@@ -264,12 +370,16 @@ class CapturedSteps:
 
     # ---- replay -------------------------------------------------------------------------
     @checked
-    def verify(self, rows: list[UniformRow], num_reqs_padded: int) -> tuple[
-            Float[Tensor, "num_tokens hidden"], Float[Tensor, "num_tokens vocab"], Int[Tensor, "num_tokens"],
-            Int[Tensor, "num_tokens"]]:
-        """Fill the buffers with the real rows and inert padded rows, replay verify[n]:
-        (hidden, logits, positions, token_ids) of every bundle token."""
+    def verify(self, rows: list[UniformRow], num_reqs_padded: int, draft_limits: list[int]) -> tuple[
+            Float[Tensor, "num_tokens hidden"], Float[Tensor, "num_tokens vocab"],
+            Int[Tensor, "num_reqs_padded outcome"], Int[Tensor, "num_tokens"], Int[Tensor, "num_tokens"],
+            Int[Tensor, "num_reqs_padded"]]:
+        """Fill the buffers with the real rows (`draft_limits`: the drafts each may accept) and
+        inert padded rows, replay verify[n]: (hidden, logits, greedy outcome, positions,
+        token_ids, draft limits) of every row and bundle token, padded ones included."""
         n, B = num_reqs_padded, self.bundle
+        if not 1 <= len(rows) <= n or any(len(r.token_ids) != B for r in rows):
+            raise ValueError(f"{len(rows)} rows of {B} tokens do not fit graph size {n}")
         max_seq_len = max(r.start for r in rows) + B
         traced = self.trace and not is_debug()
         if traced:
@@ -282,15 +392,10 @@ class CapturedSteps:
             except Exception as e:  # noqa: BLE001 - the direct call below needs no tracer
                 self._trace_failed(e)
                 traced = False
-        tok, pos, meta = build_uniform(rows, n, self.cfg.block_size, self.cfg.max_blocks, self.device)
         buf = self.buf
-        buf.token_ids[:n * B].copy_(tok)
-        buf.positions[:n * B].copy_(pos)
-        buf.slot_mappings[:, :n * B].copy_(meta.slot_mappings)
-        buf.seq_lens[:n].copy_(meta.seq_lens)
-        buf.block_tables[:, :n].copy_(meta.block_tables)
-        buf.state_slots[:n].copy_(meta.state_slots)
-        buf.prev_num_emitted[:n].copy_(meta.prev_num_emitted)
+        buf.fill(rows, n, B, self.cfg.block_size, draft_limits)
+        if is_debug():   # the builder's metadata (shown in the trace) must be what the buffers hold
+            self._check_fill(rows, n)
         if self.cuda:
             self.verify_graphs[n].replay()
             self._last = LastVerify(n, None, self.cfg.max_positions)
@@ -298,25 +403,36 @@ class CapturedSteps:
         else:
             if traced:
                 self._last = LastVerify(n, context, context)
-                hidden, logits = verify(*self._verify_args(n))
+                hidden, logits, greedy = verify(*self._verify_args(n))
             else:
-                self._last = LastVerify(n, None, meta.max_seq_len)
-                hidden, logits = self.bodies.verify(meta.max_seq_len, *buf.inputs(n, B), self.cache)
-            out = self.outputs[n] = {"hidden": hidden, "logits": logits}
-        return out["hidden"], out["logits"], buf.positions[:n * B], buf.token_ids[:n * B]
+                self._last = LastVerify(n, None, max_seq_len)
+                hidden, logits, greedy = self.bodies.verify(max_seq_len, *buf.verify_inputs(n, B), self.cache)
+            out = self.outputs[n] = {"hidden": hidden, "logits": logits, "greedy": greedy}
+        return out["hidden"], out["logits"], out["greedy"], buf.positions[:n * B], buf.token_ids[:n * B], \
+            buf.draft_limit[:n]
+
+    def _check_fill(self, rows: list[UniformRow], n: int) -> None:
+        tok, pos, meta = build_uniform(rows, n, self.cfg.block_size, self.cfg.max_blocks, self.device)
+        want = (tok, pos, meta.slot_mappings, meta.seq_lens, meta.block_tables, meta.state_slots, meta.prev_num_emitted)
+        for name, held, built in zip(StaticBuffers.FILLED, self.buf.inputs(n, self.bundle), want):
+            if not torch.equal(held, built):
+                raise AssertionError(f"StaticBuffers.fill wrote {name} {held.tolist()}, build_uniform gives "
+                                     f"{built.tolist()}")
 
     @checked
     def propose(self, emitted: Int[Tensor, "num_reqs bundle"], num_emitted: Int[Tensor, "num_reqs"],
                 draft_masks: DraftMasks | None = None) -> Int[Tensor, "num_reqs num_spec"]:
         """Replay propose[n] for the rows filled by the last `verify`, which emitted
-        emitted[i, :num_emitted[i]] (padded rows: one token 0). With `draft_masks` (constrained
+        emitted[i, :num_emitted[i]] (padded rows: one token 0 unless given: the greedy outcome's
+        rows of all n, whose padded rows are as inert, emit one token). With `draft_masks` (constrained
         rows: each pass's mask is read back from the host) the body is called on the buffers instead."""
         last = self._last
         n, (R, B), buf = last.num_reqs_padded, emitted.shape, self.buf
         buf.emitted[:R * B].view(R, B).copy_(emitted)
-        buf.emitted[R * B:n * B].zero_()
         buf.num_emitted[:R].copy_(num_emitted)
-        buf.num_emitted[R:n].fill_(1)
+        if R < n:
+            buf.emitted[R * B:n * B].zero_()
+            buf.num_emitted[R:n].fill_(1)
         if draft_masks is not None:
             return self.bodies.propose(last.max_seq_len, self.outputs[n]["hidden"], buf.emitted[:n * B],
                                        buf.num_emitted[:n], *buf.inputs(n, B), self.cache, draft_masks)[:R]

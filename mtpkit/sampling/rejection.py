@@ -19,6 +19,11 @@ are distributed exactly as sampling the target alone. Each random row draws bund
 noise values per step whatever is accepted, and all-greedy steps draw nothing.
 
 With num_spec = 0 (bundle 1) this is plain sampling: one path for both.
+
+The acceptance rule is `accepted_prefix`, one function for both callers: `rejection_sample`
+(eager, any sampling settings) and `greedy_verify`, the same rule for all-greedy steps as
+tensor ops only (no host reads, no data-dependent shapes), which the verify body runs inside
+the captured step (engine/step_bodies.py) so that such a step reads back one small int tensor.
 """
 
 import torch
@@ -42,15 +47,36 @@ def rejection_sample(
     max_tokens drafts only what fits); drafts past it are never accepted.
     `seeds[i]`: row i's sampling seed (None for a greedy row); `positions[i]`: the absolute
     position of the token sampled at bundle index 0 (index j samples position + j)."""
-    R, B, _ = logits.shape
-    k = B - 1
     target = logits.argmax(-1)
     if not st.all_greedy:
         rand = [i for i, g in enumerate(st.greedy.tolist()) if not g]
         probs = target_probs(logits, st)[rand]                          # p [random rows, B, V] fp32
         drawn = sample_tokens(probs, [seeds[i] for i in rand], [positions[i] for i in rand])
         target[rand] = drawn
-    allowed = torch.arange(k, device=logits.device)[None, :] < draft_limit[:, None]
+    return target, accepted_prefix(target, drafts, draft_limit)
+
+
+@checked
+def accepted_prefix(target: Int[Tensor, "num_reqs bundle"], drafts: Int[Tensor, "num_reqs bundle-1"],
+                    draft_limit: Int[Tensor, "num_reqs"]) -> Int[Tensor, "num_reqs"]:
+    """num_emitted: 1 + the drafts accepted, those before the first that differs from the target's
+    token at its position or passes the row's draft limit. Accepted drafts equal the target's
+    tokens, so a row emits target[i, :num_emitted[i]]."""
+    k = drafts.shape[1]
+    allowed = torch.arange(k, device=drafts.device)[None, :] < draft_limit[:, None]
     accept = (drafts == target[:, :k]) & allowed
-    n_acc = accept.long().cumprod(-1).sum(-1)
-    return target, n_acc + 1  # accepted drafts equal the target's tokens, so emit the target row
+    return accept.long().cumprod(-1).sum(-1) + 1
+
+
+@checked
+def greedy_verify(logits: Float[Tensor, "num_reqs bundle vocab"], drafts: Int[Tensor, "num_reqs bundle-1"],
+                  draft_limit: Int[Tensor, "num_reqs"]) -> Int[Tensor, "num_reqs 2*bundle+1"]:
+    """A verify step's outcome if every row is greedy and nothing processes the logits (no
+    generation control, no grammar), packed as one int tensor: [:, :bundle] the tokens
+    (`rejection_sample`'s for greedy rows), [:, bundle] num_emitted, [:, bundle+1:] 1 where the
+    logits at that bundle position are finite (amax shows NaN, +inf and a row of -inf).
+    Graph-safe: the verify body computes it on every step; the runner reads it only when it
+    applies, else it samples eagerly from the logits."""
+    target = logits.argmax(-1)
+    finite = torch.isfinite(logits.amax(-1)).long()
+    return torch.cat([target, accepted_prefix(target, drafts, draft_limit)[:, None], finite], dim=1)
