@@ -177,6 +177,16 @@ class SparseMoE(nn.Module):
     # gelu_tanh): the fused kernel takes the name, the torch paths `activation`.
     act: str = "silu"
 
+    def decode_gathers(self) -> bool:
+        """Whether a one-token step takes the sparse path (gathers its experts' blocks)."""
+        return (self.ops is not None and self.ops.fused_moe) or self.topk * self.sparse_share <= self.num_local
+
+    def row_major_params(self) -> tuple:
+        """Parameters to keep row-major on CPU (layers/layout.py): w13 when decode steps gather
+        experts from it (each expert's [2I, hidden] block then one contiguous run); otherwise
+        every step multiplies all of w13 at once, which the column-major matrix does faster."""
+        return (self.w13,) if self.w13 is not None and self.decode_gathers() else ()
+
     @property
     def activation(self):
         return elementwise.ACTIVATIONS[self.act]
