@@ -294,7 +294,7 @@ def gated_delta_rule_verify(
     read = state_slots.gather(1, prev_num_emitted[:, None] - 1)[:, 0]
     # Advanced indexing copies, so the read happens before the writes below (with
     # prev_num_emitted == bundle the read slot is also the slot written at the last position).
-    state = ssm_state[read].to(cd).view(R, HK, r, DK, DV)
+    state = _as(ssm_state[read], cd).view(R, HK, r, DK, DV)
     if B == 1:   # a decode step: the state updated in place, written once
         state.mul_(decay[0])
         state.addcmul_(k_col[0], beta[0] * (vs[0] - k_row[0] @ state))

@@ -249,9 +249,9 @@ class Attention(nn.Module):
         xf = heads if heads.dtype in (torch.float32, torch.float64) else heads.float()
         normed = F.rms_norm(xf, (hd,), None, self.q_norm.eps)
         scale = torch.cat([self.q_norm.scale(xf.dtype).expand(hq, hd), self.k_norm.scale(xf.dtype).expand(hkv, hd)])
-        qk = self.rope.rotate((normed[:, :hq + hkv] * scale).to(x.dtype), cos, sin)
+        qk = self.rope.rotate(elementwise.cast(normed[:, :hq + hkv] * scale, x.dtype), cos, sin)
         v = normed[:, hq:hq + hkv] if self.k_eq_v else normed[:, hq + hkv:]
-        return qk[:, :hq], qk[:, hq:], v.to(x.dtype)
+        return qk[:, :hq], qk[:, hq:], elementwise.cast(v, x.dtype)
 
 
 class DecoderLayer(nn.Module):
