@@ -88,16 +88,34 @@ def test_moe_paths_equal_the_per_expert_reference(shared, layout):
         delattr(moe, other)
 
 
-def test_cpu_layout_keeps_w13_column_major_when_every_step_runs_every_expert():
-    """8 experts, top 2: even a one-token step computes every expert (the dense path), whose
-    one matmul over all of w13 is faster column-major (benchmarks/linear_layouts.py)."""
-    moe = SparseMoE(hidden=32, num_experts=8, topk=2, intermediate=24, shared_intermediate=16,
-                    norm_topk=True, tp=TP.single())
+@pytest.mark.parametrize("shared", [0, 16])
+def test_cpu_layout_merges_w_in_and_w13_when_every_step_runs_every_expert(shared):
+    """8 experts, top 2: even a one-token step computes every expert (the dense path). On CPU
+    w_in and w13 are then views of one column-major matrix and forward multiplies x by it
+    once; the result equals the per-expert reference, the export is the checkpoint's."""
+    torch.manual_seed(0)
+    moe = SparseMoE(hidden=32, num_experts=8, topk=2, intermediate=24, shared_intermediate=shared,
+                    norm_topk=True, tp=TP.single()).double()
     for p in moe.parameters():
         p.data.normal_(0, 0.2)
+    before = {n: t.clone() for spec in moe.checkpoint_specs("mlp") for n, t in spec.export(spec.param).items()}
     set_weight_layout(moe, torch.device("cpu"), lambda name: False)
-    assert not moe.decode_gathers()
-    assert moe.w13.view(-1, 32).t().is_contiguous() and not moe.w13.is_contiguous()
+    assert not moe.decode_gathers() and moe._merged()
+    assert moe.w_in13.t().is_contiguous() and moe.w13.view(-1, 32).stride(0) == 1   # column-major views
+    after = {n: t for spec in moe.checkpoint_specs("mlp") for n, t in spec.export(spec.param).items()}
+    assert all(torch.equal(after[n], t) for n, t in before.items())
+    sd = {name[len("mlp") + 1:]: t for name, t in after.items()}
+    calls = []
+    moe._experts = lambda *a: calls.append(a) or pytest.fail("the unmerged path ran")
+    for T in (1, 4):
+        x = torch.randn(T, 32, dtype=torch.float64)
+        torch.testing.assert_close(moe(x), _reference_moe(x, moe, sd), rtol=1e-12, atol=1e-12)
+    del moe._experts
+    # Weights replaced after the merge (a reload, .to(...)): the merged matrix is not used.
+    moe.w13.data = moe.w13.data.clone()
+    assert not moe._merged()
+    x = torch.randn(2, 32, dtype=torch.float64)
+    torch.testing.assert_close(moe(x), _reference_moe(x, moe, sd), rtol=1e-12, atol=1e-12)
 
 
 def test_rope_over_the_whole_head_is_rotate_half_on_the_rotated_dims():

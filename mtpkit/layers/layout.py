@@ -9,7 +9,10 @@ out as their [local * 2I, hidden] matrix (what the dense MoE path multiplies), u
 MoE block gathers its chosen experts at decode sizes (SparseMoE.row_major_params: a gather
 of a column-major block is a strided copy, 2.5x slower than computing every expert, where a
 row-major block is a contiguous one: benchmarks/results/cpu-2026-12-02-ops-moe_paths.log).
-A module lists such parameters in `row_major_params()`. Other devices keep the layout as loaded.
+A module lists such parameters in `row_major_params()`; one that multiplies the same input by
+several of its weights may then make them views of one matrix (`merge_for_cpu()`: SparseMoE's
+router + shared expert rows and its experts, when every decode step computes every expert).
+Other devices keep the layout as loaded.
 """
 
 from typing import Callable
@@ -29,3 +32,6 @@ def set_weight_layout(module: nn.Module, device: torch.device, row_major: Callab
             continue
         flat = p.data.reshape(-1, p.shape[-1])
         p.data = flat.t().contiguous().t().view(p.shape)
+    for m in module.modules():   # modules whose weights become views of one merged matrix
+        if hasattr(m, "merge_for_cpu"):
+            m.merge_for_cpu()

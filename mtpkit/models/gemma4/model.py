@@ -119,6 +119,7 @@ class Gemma4Experts(SparseMoE):
     so the router projection (w_in) is applied to it separately."""
 
     act = "gelu_tanh"
+    merge_inputs = False   # the router reads router_x, the experts x
 
     def __init__(self, cfg: Gemma4Config, tp: TP, ops: Ops | None = None):
         super().__init__(cfg.hidden_size, cfg.num_experts, cfg.top_k_experts, cfg.moe_intermediate_size, 0,
