@@ -12,6 +12,7 @@ op, so its shares overweight cheap ops a little; the timed ms/replay is without 
 
     python benchmarks/op_profile.py                         # both models, batch 1 and 8, num_spec 0 and 3
     python benchmarks/op_profile.py --models tiny-qwen3-next --batches 1 --num-spec 3 --top 25
+    python benchmarks/op_profile.py --counts-only              # the graphs' aten node counts alone
 """
 
 import argparse
@@ -87,6 +88,7 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--counts-only", action="store_true", help="only the graphs' aten node counts (no timing)")
     args = p.parse_args()
     torch.set_num_threads(1)
     summary = []
@@ -97,6 +99,11 @@ def main():
                     graphs = traced_graphs(model, batch, k)
                     llm = graphs.pop("_llm")
                     for name, (fn, fargs) in graphs.items():
+                        if args.counts_only:
+                            nodes = graph_ops(fn)
+                            print(f"{model} batch {batch} num_spec {k} {name}: {sum(nodes.values())} aten nodes")
+                            summary.append((model, batch, k, name, float("nan"), sum(nodes.values()), 0, 0))
+                            continue
                         for _ in range(5):
                             fn(*fargs)
                         ms = measure(fn, fargs, args.rounds, args.reps)

@@ -8,7 +8,7 @@ Qwen3-Next's conv taps, no matmul operand); the experts' [local, 2I, hidden] blo
 out as their [local * 2I, hidden] matrix (what the dense MoE path multiplies), unless the
 MoE block gathers its chosen experts at decode sizes (SparseMoE.row_major_params: a gather
 of a column-major block is a strided copy, 2.5x slower than computing every expert, where a
-row-major block is a contiguous one: benchmarks/results/cpu-2026-12-02-ops-moe_paths.log).
+row-major block is a contiguous one: benchmarks/moe_paths.py).
 A module lists such parameters in `row_major_params()`; one that multiplies the same input by
 several of its weights may then make them views of one matrix (`merge_for_cpu()`: SparseMoE's
 router + shared expert rows and its experts, when every decode step computes every expert).
