@@ -6,9 +6,14 @@ shape and a larger one (128 experts, top 8). float32, one thread, the four varia
 interleaved in rounds; ratios to the dense path with column-major w13 (median of per-round
 ratios); d: the largest difference to it.
 
+`--merged` instead times the whole block (forward, traced) at the embedded shape with
+w_in and w13 merged into one matmul (SparseMoE.merge_for_cpu) against the two matmuls.
+
     python benchmarks/moe_paths.py
+    python benchmarks/moe_paths.py --merged
 """
 
+import argparse
 import statistics
 import time
 import warnings
@@ -22,9 +27,42 @@ from mtpkit.parallel import TP
 SHAPES = [(8, 2, 64, 128, 256), (128, 8, 256, 256, 1024)]   # experts, top k, I, shared I, hidden
 
 
+def merged_vs_unmerged(rounds: int = 15, reps: int = 100):
+    E, K, I, S, H = SHAPES[0]
+    ms = {}
+    for name, merge in (("unmerged", False), ("merged", True)):
+        m = SparseMoE(H, E, K, I, S, True, TP.single())
+        torch.manual_seed(0)
+        for p in m.parameters():
+            p.data = torch.randn_like(p) * 0.05
+        m.merge_inputs = merge
+        set_weight_layout(m, torch.device("cpu"), lambda n: False)
+        ms[name] = m
+    for T in (1, 4, 8):
+        x = torch.randn(T, H)
+        with torch.inference_mode():
+            fns = {n: torch.jit.trace(m, (x,), check_trace=False) for n, m in ms.items()}
+            d = (fns["merged"](x) - fns["unmerged"](x)).abs().max().item()
+            ts = {n: [] for n in fns}
+            for _ in range(rounds):
+                for n, f in fns.items():
+                    t = time.perf_counter()
+                    for _ in range(reps):
+                        f(x)
+                    ts[n].append((time.perf_counter() - t) / reps * 1e6)
+            r = statistics.median(a / b for a, b in zip(ts["merged"], ts["unmerged"]))
+            print(f"E={E} K={K} I={I} H={H} T={T}: unmerged {statistics.median(ts['unmerged']):.1f} us  "
+                  f"merged {statistics.median(ts['merged']):.1f} us  merged/unmerged x{r:.3f}  d={d:.0e}")
+
+
 def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--merged", action="store_true")
+    args = p.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
+    if args.merged:
+        return merged_vs_unmerged()
     for (E, K, I, S, H) in SHAPES:
         ms = {}
         for lay in ("w13 column-major", "w13 row-major"):
