@@ -4,7 +4,9 @@
   invert exactly: exporting a loaded checkpoint gives back every tensor of the file.
 - SparseMoE's dense, sparse and grouped paths all equal a plain per-expert loop written the
   way the reference model computes it (router softmax, top-k, each expert's output times its
-  weight, plus the gated shared expert), in row- and column-major weight layouts.
+  weight, plus the gated shared expert), in row- and column-major weight layouts, and in the
+  layout set_weight_layout gives them on CPU (w13 row-major when decode steps gather experts
+  from it, column-major when every step multiplies all of it).
 - PartialRoPE over the whole head equals rotate_half on the first rot_dim dims, bit for bit.
 """
 
@@ -16,6 +18,7 @@ from safetensors.torch import load_file
 from mtpkit import LLM
 from mtpkit.layers.rope import PartialRoPE
 from mtpkit.checkpoint.loader import export_state_dict
+from mtpkit.layers.layout import set_weight_layout
 from mtpkit.layers.moe import SparseMoE
 from mtpkit.checkpoint.hub import resolve_model
 from mtpkit.parallel import TP
@@ -52,7 +55,7 @@ def _reference_moe(x, moe: SparseMoE, sd: dict) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("shared", [0, 48])
-@pytest.mark.parametrize("layout", ["row", "column"])
+@pytest.mark.parametrize("layout", ["row", "column", "cpu"])
 def test_moe_paths_equal_the_per_expert_reference(shared, layout):
     torch.manual_seed(0)
     moe = SparseMoE(hidden=32, num_experts=16, topk=2, intermediate=24, shared_intermediate=shared,
@@ -62,6 +65,11 @@ def test_moe_paths_equal_the_per_expert_reference(shared, layout):
     if layout == "column":
         for p in (moe.w_in, moe.w_out):
             p.data = p.data.t().contiguous().t()
+    if layout == "cpu":
+        set_weight_layout(moe, torch.device("cpu"), lambda name: False)
+        # 2 of 16 experts per token: decode steps gather w13's blocks, which stay row-major.
+        assert moe.decode_gathers() and moe.w13.is_contiguous()
+        assert moe.w_in.t().is_contiguous() and moe.w_out.t().is_contiguous()
     prefix = "mlp"
     sd = {name[len(prefix) + 1:]: t for spec in moe.checkpoint_specs(prefix)
           for name, t in spec.export(spec.param).items()}
@@ -78,6 +86,36 @@ def test_moe_paths_equal_the_per_expert_reference(shared, layout):
         setattr(moe, other, lambda *a: pytest.fail(f"{other} ran for {T} tokens"))
         torch.testing.assert_close(moe(x), _reference_moe(x, moe, sd), rtol=1e-12, atol=1e-12)
         delattr(moe, other)
+
+
+@pytest.mark.parametrize("shared", [0, 16])
+def test_cpu_layout_merges_w_in_and_w13_when_every_step_runs_every_expert(shared):
+    """8 experts, top 2: even a one-token step computes every expert (the dense path). On CPU
+    w_in and w13 are then views of one column-major matrix and forward multiplies x by it
+    once; the result equals the per-expert reference, the export is the checkpoint's."""
+    torch.manual_seed(0)
+    moe = SparseMoE(hidden=32, num_experts=8, topk=2, intermediate=24, shared_intermediate=shared,
+                    norm_topk=True, tp=TP.single()).double()
+    for p in moe.parameters():
+        p.data.normal_(0, 0.2)
+    before = {n: t.clone() for spec in moe.checkpoint_specs("mlp") for n, t in spec.export(spec.param).items()}
+    set_weight_layout(moe, torch.device("cpu"), lambda name: False)
+    assert not moe.decode_gathers() and moe._merged()
+    assert moe.w_in13.t().is_contiguous() and moe.w13.view(-1, 32).stride(0) == 1   # column-major views
+    after = {n: t for spec in moe.checkpoint_specs("mlp") for n, t in spec.export(spec.param).items()}
+    assert all(torch.equal(after[n], t) for n, t in before.items())
+    sd = {name[len("mlp") + 1:]: t for name, t in after.items()}
+    calls = []
+    moe._experts = lambda *a: calls.append(a) or pytest.fail("the unmerged path ran")
+    for T in (1, 4):
+        x = torch.randn(T, 32, dtype=torch.float64)
+        torch.testing.assert_close(moe(x), _reference_moe(x, moe, sd), rtol=1e-12, atol=1e-12)
+    del moe._experts
+    # Weights replaced after the merge (a reload, .to(...)): the merged matrix is not used.
+    moe.w13.data = moe.w13.data.clone()
+    assert not moe._merged()
+    x = torch.randn(2, 32, dtype=torch.float64)
+    torch.testing.assert_close(moe(x), _reference_moe(x, moe, sd), rtol=1e-12, atol=1e-12)
 
 
 def test_rope_over_the_whole_head_is_rotate_half_on_the_rotated_dims():

@@ -26,8 +26,13 @@ def as_float(x: Tensor) -> Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-def _cast(y: Tensor, dtype: torch.dtype) -> Tensor:
+def cast(y: Tensor, dtype: torch.dtype) -> Tensor:
+    """y in `dtype`; no op when it already is (a traced `.to` of the same dtype is still a node
+    that every replay dispatches)."""
     return y if y.dtype == dtype else y.to(dtype)
+
+
+_cast = cast
 
 
 def norm_last_dim(x: Tensor, weight: Tensor | None, eps: float, zero_centred: bool) -> Tensor:

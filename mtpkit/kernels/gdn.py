@@ -290,18 +290,26 @@ def gated_delta_rule_verify(
     beta = torch.sigmoid(_as(b, cd)).view(R, B, HK, r, 1, 1).unbind(1)
     vs = _as(v, cd).view(R, B, HK, r, 1, DV).unbind(1)
     k_row, k_col = k.view(R, B, HK, 1, 1, DK).unbind(1), k.view(R, B, HK, 1, DK, 1).unbind(1)
-    q_row = q.view(R, B, HK, 1, 1, DK).unbind(1)
+    q_row = q.view(R, B, HK, 1, 1, DK).unbind(1) if B == 1 else None
     read = state_slots.gather(1, prev_num_emitted[:, None] - 1)[:, 0]
     # Advanced indexing copies, so the read happens before the writes below (with
-    # prev_num_emitted == bundle the read slot is also the slot written at the last position),
-    # and the copy can be updated in place: each token's state goes to its slot at once.
-    state = ssm_state[read].to(cd).view(R, HK, r, DK, DV)
-    slots, outs = state_slots.unbind(1), []
+    # prev_num_emitted == bundle the read slot is also the slot written at the last position).
+    state = _as(ssm_state[read], cd).view(R, HK, r, DK, DV)
+    if B == 1:   # a decode step: the state updated in place, written once
+        state.mul_(decay[0])
+        state.addcmul_(k_col[0], beta[0] * (vs[0] - k_row[0] @ state))
+        ssm_state.index_copy_(0, state_slots[:, 0], _as(state.view(R, HV, DK, DV), ssm_state.dtype))
+        return _as((q_row[0] @ state).view(R, B, HV, DV), v.dtype)
+    # A bundle: every token's state kept, then all of them written by one index_copy_ (a
+    # request's bundle slots are distinct) and every output read by one batched matmul:
+    # 5 ops per token instead of 8, the same arithmetic per element.
+    states = []
     for t in range(B):
         # S = exp(g) S;  S += k (beta (v - k^T S));  o = q^T S
-        state.mul_(decay[t])
-        state.addcmul_(k_col[t], beta[t] * (vs[t] - k_row[t] @ state))   # k_t^T S: [R, HK, r, 1, DV]
-        outs.append(q_row[t] @ state)
-        ssm_state.index_copy_(0, slots[t], _as(state.view(R, HV, DK, DV), ssm_state.dtype))
-    out = torch.stack(outs, 1)
+        state = state * decay[t]
+        state = torch.addcmul(state, k_col[t], beta[t] * (vs[t] - k_row[t] @ state))
+        states.append(state)
+    states = torch.stack(states, 1)                                       # [R, B, HK, r, DK, DV]
+    ssm_state.index_copy_(0, state_slots.flatten(), _as(states.view(R * B, HV, DK, DV), ssm_state.dtype))
+    out = q.view(R, B, HK, 1, 1, DK) @ states                              # [R, B, HK, r, 1, DV]
     return _as(out.view(R, B, HV, DV), v.dtype)

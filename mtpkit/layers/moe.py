@@ -177,29 +177,72 @@ class SparseMoE(nn.Module):
     # gelu_tanh): the fused kernel takes the name, the torch paths `activation`.
     act: str = "silu"
 
+    def decode_gathers(self) -> bool:
+        """Whether a one-token step takes the sparse path (gathers its experts' blocks)."""
+        return (self.ops is not None and self.ops.fused_moe) or self.topk * self.sparse_share <= self.num_local
+
+    def row_major_params(self) -> tuple:
+        """Parameters to keep row-major on CPU (layers/layout.py): w13 when decode steps gather
+        experts from it (each expert's [2I, hidden] block then one contiguous run); otherwise
+        every step multiplies all of w13 at once, which the column-major matrix does faster."""
+        return (self.w13,) if self.w13 is not None and self.decode_gathers() else ()
+
     @property
     def activation(self):
         return elementwise.ACTIVATIONS[self.act]
 
+    # ---- CPU: w_in and w13 as one matrix (layers/layout.py) -------------------------------
+    w_in13: Tensor | None = None   # [w_in rows | w13's rows], column-major; w_in and w13 are views of it
+    merge_inputs = True            # whether w_in's input is x (Gemma 4's router reads another input)
+
+    def merge_for_cpu(self) -> None:
+        """When every decode step computes every expert (the dense path), w_in and w13 become
+        views of one column-major matrix, so a dense step's two products of x are one matmul.
+        Called by layout.set_weight_layout after the layouts are set."""
+        if not self.merge_inputs or self.w_in is None or self.w13 is None or self.decode_gathers():
+            return
+        n = self.w_in.shape[0]
+        merged = torch.cat([self.w_in.data, self.w13.data.reshape(-1, self.hidden)]).t().contiguous().t()
+        self.w_in.data, self.w13.data = merged[:n], merged[n:].view(self.w13.shape)
+        self.w_in13 = merged
+
+    def _merged(self) -> bool:
+        """w_in13 still holds w_in and w13 (not replaced since merge_for_cpu)."""
+        m = self.w_in13
+        return (m is not None and self.w_in is not None and self.w13 is not None
+                and self.w_in.data_ptr() == m.data_ptr() and self.w13.data_ptr() == m[self.w_in.shape[0]:].data_ptr())
+
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens hidden"]:
+        if self._path(x.shape[0]) == "dense" and self._merged():
+            n = self.w_in.shape[0]
+            hg = linear(x, self.w_in13)                        # [T, E + s + 2S | experts' gate and up]
+            return self.tp.all_reduce(self._dense(x, hg[:, :n], hg[:, n:]))
         return self._experts(x, self.project_in(x))           # [T, E + s + 2S]
 
-    def _experts(self, x: Float[Tensor, "num_tokens hidden"], h: Float[Tensor, "num_tokens _"]
-                 ) -> Float[Tensor, "num_tokens hidden"]:
-        """The routed (and shared) experts on router outputs h, by the path that fits the step.
-        A captured or traced graph must not take the grouped path: its shapes follow the routing
-        (a CUDA capture would fail; a CPU trace would replay the routing it was traced with)."""
+    def _path(self, T: int) -> str:
+        """The path a step of T tokens takes (by its shape, never its data). A captured or
+        traced graph must not take the grouped path: its shapes follow the routing (a CUDA
+        capture would fail; a CPU trace would replay the routing it was traced with)."""
         capturing = torch.jit.is_tracing() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-        T, fp8 = x.shape[0], self.fp8
         # A fused backend kernel reads each touched expert once however many tokens chose it,
         # so gathering beats computing every expert at any step size (a batch of 8 bundles of 4
         # with top 10 of 512 experts touches about half of them); the torch gather copies each
         # pair's expert, which pays only when the pairs are few against the experts.
-        fused = fp8 is None and self.ops is not None and self.ops.fused_moe
+        fused = self.fp8 is None and self.ops is not None and self.ops.fused_moe
         if not capturing and T * self.num_experts > self.dense_limit:
+            return "grouped"
+        if fused or T * self.topk * self.sparse_share <= self.num_local:
+            return "sparse"
+        return "dense"
+
+    def _experts(self, x: Float[Tensor, "num_tokens hidden"], h: Float[Tensor, "num_tokens _"]
+                 ) -> Float[Tensor, "num_tokens hidden"]:
+        """The routed (and shared) experts on router outputs h, by the path that fits the step."""
+        path, fp8 = self._path(x.shape[0]), self.fp8
+        if path == "grouped":
             out = self._grouped(x, h) if fp8 is None else fp8.grouped(self, x, h)
-        elif fused or T * self.topk * self.sparse_share <= self.num_local:
+        elif path == "sparse":
             out = self._sparse(x, h) if fp8 is None else fp8.sparse(self, x, h)
         else:
             out = self._dense(x, h) if fp8 is None else fp8.dense(self, x, h)
@@ -220,12 +263,13 @@ class SparseMoE(nn.Module):
             local = local.clamp(0, self.num_local - 1)
         return local, weights
 
-    def _dense(self, x: Float[Tensor, "num_tokens hidden"], h: Float[Tensor, "num_tokens _"]
-               ) -> Float[Tensor, "num_tokens hidden"]:
+    def _dense(self, x: Float[Tensor, "num_tokens hidden"], h: Float[Tensor, "num_tokens _"],
+               gu: Float[Tensor, "num_tokens _"] | None = None) -> Float[Tensor, "num_tokens hidden"]:
+        """`gu`: x's product with w13 when the caller has it (the merged matmul of forward)."""
         T, E, nl, I = x.shape[0], self.num_experts, self.num_local, self.inter
         weights, experts = self.route(h[:, :E])
         gate = torch.zeros(T, E, dtype=x.dtype, device=x.device).scatter(1, experts, weights)
-        gu = linear(x, self.w13.view(nl * 2 * I, -1)).view(T, nl, 2, I)
+        gu = (linear(x, self.w13.view(nl * 2 * I, -1)) if gu is None else gu).view(T, nl, 2, I)
         act = self.activation(gu[:, :, 0]) * gu[:, :, 1] * gate[:, self.first:self.first + nl, None]   # [T, nl, I]
         act = act.reshape(T, nl * I)
         if self.s:

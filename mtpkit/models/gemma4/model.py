@@ -119,6 +119,7 @@ class Gemma4Experts(SparseMoE):
     so the router projection (w_in) is applied to it separately."""
 
     act = "gelu_tanh"
+    merge_inputs = False   # the router reads router_x, the experts x
 
     def __init__(self, cfg: Gemma4Config, tp: TP, ops: Ops | None = None):
         super().__init__(cfg.hidden_size, cfg.num_experts, cfg.top_k_experts, cfg.moe_intermediate_size, 0,
@@ -249,9 +250,9 @@ class Attention(nn.Module):
         xf = heads if heads.dtype in (torch.float32, torch.float64) else heads.float()
         normed = F.rms_norm(xf, (hd,), None, self.q_norm.eps)
         scale = torch.cat([self.q_norm.scale(xf.dtype).expand(hq, hd), self.k_norm.scale(xf.dtype).expand(hkv, hd)])
-        qk = self.rope.rotate((normed[:, :hq + hkv] * scale).to(x.dtype), cos, sin)
+        qk = self.rope.rotate(elementwise.cast(normed[:, :hq + hkv] * scale, x.dtype), cos, sin)
         v = normed[:, hq:hq + hkv] if self.k_eq_v else normed[:, hq + hkv:]
-        return qk[:, :hq], qk[:, hq:], v.to(x.dtype)
+        return qk[:, :hq], qk[:, hq:], elementwise.cast(v, x.dtype)
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,101 @@
+"""The MoE block's dense and gather paths at small M (issue 32, item 3): SparseMoE's `_dense`
+(every expert: three matmuls) and `_sparse` (the chosen experts' blocks gathered, batched
+matmuls), each traced, with w13 column-major (the CPU layout of a matrix that only multiplies)
+and row-major (each expert's [2I, hidden] block contiguous), at the embedded model's MoE
+shape and a larger one (128 experts, top 8). float32, one thread, the four variants
+interleaved in rounds; ratios to the dense path with column-major w13 (median of per-round
+ratios); d: the largest difference to it.
+
+`--merged` instead times the whole block (forward, traced) at the embedded shape with
+w_in and w13 merged into one matmul (SparseMoE.merge_for_cpu) against the two matmuls.
+
+    python benchmarks/moe_paths.py
+    python benchmarks/moe_paths.py --merged
+"""
+
+import argparse
+import statistics
+import time
+import warnings
+
+import torch
+
+from mtpkit.layers.layout import set_weight_layout
+from mtpkit.layers.moe import SparseMoE
+from mtpkit.parallel import TP
+
+SHAPES = [(8, 2, 64, 128, 256), (128, 8, 256, 256, 1024)]   # experts, top k, I, shared I, hidden
+
+
+def merged_vs_unmerged(rounds: int = 15, reps: int = 100):
+    E, K, I, S, H = SHAPES[0]
+    ms = {}
+    for name, merge in (("unmerged", False), ("merged", True)):
+        m = SparseMoE(H, E, K, I, S, True, TP.single())
+        torch.manual_seed(0)
+        for p in m.parameters():
+            p.data = torch.randn_like(p) * 0.05
+        m.merge_inputs = merge
+        set_weight_layout(m, torch.device("cpu"), lambda n: False)
+        ms[name] = m
+    for T in (1, 4, 8):
+        x = torch.randn(T, H)
+        with torch.inference_mode():
+            fns = {n: torch.jit.trace(m, (x,), check_trace=False) for n, m in ms.items()}
+            d = (fns["merged"](x) - fns["unmerged"](x)).abs().max().item()
+            ts = {n: [] for n in fns}
+            for _ in range(rounds):
+                for n, f in fns.items():
+                    t = time.perf_counter()
+                    for _ in range(reps):
+                        f(x)
+                    ts[n].append((time.perf_counter() - t) / reps * 1e6)
+            r = statistics.median(a / b for a, b in zip(ts["merged"], ts["unmerged"]))
+            print(f"E={E} K={K} I={I} H={H} T={T}: unmerged {statistics.median(ts['unmerged']):.1f} us  "
+                  f"merged {statistics.median(ts['merged']):.1f} us  merged/unmerged x{r:.3f}  d={d:.0e}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--merged", action="store_true")
+    args = p.parse_args()
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    if args.merged:
+        return merged_vs_unmerged()
+    for (E, K, I, S, H) in SHAPES:
+        ms = {}
+        for lay in ("w13 column-major", "w13 row-major"):
+            m = SparseMoE(H, E, K, I, S, True, TP.single())
+            torch.manual_seed(0)
+            for p in m.parameters():
+                p.data = torch.randn_like(p) * 0.05
+            keep = (lambda n: False) if lay.endswith("column-major") else (lambda n: n == "w13")
+            m.merge_inputs = False   # the dense path's own two matmuls, in both layouts
+            m.row_major_params = lambda: ()
+            set_weight_layout(m, torch.device("cpu"), keep)
+            ms[lay] = m
+        for T in [1, 2, 4, 8]:
+            x = torch.randn(T, H)
+            with torch.inference_mode():
+                h = ms["w13 row-major"].project_in(x)
+                fns = {f"{p} {lay}": torch.jit.trace(lambda x, h, p=p, m=m: getattr(m, p)(x, h), (x, h),
+                                                     check_trace=False)
+                       for lay, m in ms.items() for p in ("_dense", "_sparse")}
+                ref = fns["_dense w13 column-major"](x, h)
+                reps = 100 if E == 8 else 5
+                ts = {p: [] for p in fns}
+                for _ in range(5):
+                    for p, f in fns.items():
+                        t = time.perf_counter()
+                        for _ in range(reps):
+                            f(x, h)
+                        ts[p].append((time.perf_counter() - t) / reps * 1e6)
+                base = ts["_dense w13 column-major"]
+                print(f"E={E} K={K} I={I} H={H} T={T}: " + "  ".join(
+                    f"{p} {statistics.median(v):8.1f} us x{statistics.median(a / b for a, b in zip(v, base)):.2f} "
+                    f"d={(fns[p](x, h) - ref).abs().max().item():.0e}" for p, v in ts.items()))
+
+
+if __name__ == "__main__":
+    main()
