@@ -190,7 +190,7 @@ class SparseMoE(nn.Module):
         """The routed (and shared) experts on router outputs h, by the path that fits the step.
         A captured or traced graph must not take the grouped path: its shapes follow the routing
         (a CUDA capture would fail; a CPU trace would replay the routing it was traced with)."""
-        capturing = torch.jit.is_tracing() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        capturing = torch.jit.is_tracing() or torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
         T, fp8 = x.shape[0], self.fp8
         # A fused backend kernel reads each touched expert once however many tokens chose it,
         # so gathering beats computing every expert at any step size (a batch of 8 bundles of 4
