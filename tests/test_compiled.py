@@ -1,15 +1,21 @@
 """Compiled CPU decode graphs (LLM(compile=...), mtpkit/graphs/compiled.py): greedy tokens
-compiled == traced == eager, float64 random models. Compilation costs seconds per graph (minutes
-cold for the fastest mode), so this file compiles few graphs: one small Qwen3-Next with its MTP
-head at num_spec 3 (verify, propose and the prefill proposal, batch 1) by inductor, the same
-graphs as AOTInductor packages (cold, then loaded from the on-disk cache), and a Gemma 4 without
-drafts. benchmarks/compile_modes.py checks every mode on both embedded models, num_spec 0 and 3."""
+compiled == traced == eager, float64 random models.
+
+Inductor's C++ compilation costs about 2 CPU minutes per model here with empty caches (measured:
+131 s CPU for the three graphs of the Qwen3-Next below), more than the suite's budget for this
+file, so the default run compiles with dynamo's capture and the "aot_eager" backend
+(graphs.compiled.BACKEND): the same fullgraph capture, guards, per-graph code objects, lazy
+swap and MoE capture path, without inductor's code generation. The tests that run inductor and
+AOTInductor for real run with MTPKIT_TEST_COMPILE=1 (and are skipped, saying so, without it);
+benchmarks/compile_modes.py checks every mode's tokens on both embedded models, num_spec 0 and 3."""
 
 import os
 import sys
 
 import pytest
 import torch
+
+from mtpkit.graphs import compiled
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gemma4_oracle as G  # noqa: E402
@@ -45,6 +51,15 @@ def reference(qwen):
     return eager, traced
 
 
+REAL = pytest.mark.skipif(not os.environ.get("MTPKIT_TEST_COMPILE"),
+                          reason="inductor / AOTInductor compile for minutes cold: set MTPKIT_TEST_COMPILE=1")
+
+
+@pytest.fixture
+def dynamo_only(monkeypatch):
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+
+
 def _compiled(path, mode, **kw):
     llm = LLM(path, compile=mode, compile_after=0, **F64, **kw)
     llm.runner.graphs.trace_after = 0
@@ -59,6 +74,23 @@ def _compiled_names(llm) -> set[str]:
     return {r.name for r in g.compiler.records}
 
 
+def test_dynamo_capture_equals_trace_and_eager(qwen, reference, dynamo_only):
+    """Lazily (compile_after=2): a graph's trace serves its first two replays, then the compiled
+    graph replays; tokens equal the trace's and eager's throughout."""
+    eager, traced = reference
+    assert traced == eager
+    llm = LLM(qwen, num_spec=3, compile="inductor", compile_after=2, **F64)
+    g = llm.runner.graphs
+    g.trace_after = 0
+    # the prefill's token, then at most 2 verify steps: each graph's trace serves them
+    assert llm.generate([PROMPT], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids == eager[:3]
+    assert g.verify_graphs[1, 64].compiled is None and not g.compiler.records
+    assert llm.generate([PROMPT], SP)[0].token_ids == eager
+    assert _compiled_names(llm) == {"verify_1_64", "propose_1_64"}   # the prefill proposal ran twice: traced
+    assert "compiled by inductor" in g.describe()
+
+
+@REAL
 def test_inductor_equals_trace_and_eager(qwen, reference):
     eager, traced = reference
     assert traced == eager
@@ -68,6 +100,7 @@ def test_inductor_equals_trace_and_eager(qwen, reference):
     assert "compiled by inductor" in llm.runner.graphs.describe()
 
 
+@REAL
 def test_aot_packages_equal_eager_and_load_from_the_cache(qwen, reference, tmp_path_factory):
     eager, _ = reference
     cache = tmp_path_factory.mktemp("aot")
@@ -80,19 +113,7 @@ def test_aot_packages_equal_eager_and_load_from_the_cache(qwen, reference, tmp_p
     assert all(r.cached for r in llm.runner.graphs.compiler.records)
 
 
-def test_lazy_compilation_traces_first(qwen, reference):
-    """compile_after=2: a graph's trace serves its first two replays, then it is compiled."""
-    eager, _ = reference
-    llm = LLM(qwen, num_spec=3, compile="inductor", compile_after=2, **F64)
-    g = llm.runner.graphs
-    g.trace_after = 0
-    assert llm.generate([PROMPT], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids == eager[:5]
-    assert g.verify_graphs[1, 64].compiled is None and not g.compiler.records    # 2 verify steps: traced
-    assert llm.generate([PROMPT], SP)[0].token_ids == eager
-    assert g.verify_graphs[1, 64].compiled is not None
-
-
-def test_gemma4_without_drafts(tmp_path_factory):
+def test_gemma4_without_drafts(tmp_path_factory, dynamo_only):
     path = tmp_path_factory.mktemp("compiled") / "gemma4"
     G.save(G.build_hf("dense"), path)
     prompt = oracle.random_prompt(9, 128, seed=49)

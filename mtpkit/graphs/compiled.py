@@ -33,6 +33,9 @@ from pathlib import Path
 import torch
 
 MODES = ("inductor", "freeze", "aot")
+# torch.compile's backend for "inductor" / "freeze" (tests swap in "aot_eager": dynamo's capture
+# without inductor's C++ compilation, which costs minutes cold).
+BACKEND = "inductor"
 # A traced graph replays this many times before it is compiled (CapturedSteps traces a graph after
 # its own CPU_TRACE_AFTER direct calls): a compiled graph repays its compilation only over a long run.
 COMPILE_AFTER = 64
@@ -196,7 +199,7 @@ def _inductor_lazy(fn, name: str, freeze: bool):
     """torch.compile of fn, compiling on its first call under this mode's inductor settings (the
     `options=` of torch.compile were not honoured for these, so the settings are patched around
     the compiling call and its possible recompiles)."""
-    compiled = torch.compile(_fresh(fn, name), fullgraph=True, dynamic=False)
+    compiled = torch.compile(_fresh(fn, name), fullgraph=True, dynamic=False, backend=BACKEND)
     options = _inductor_options(freeze)
 
     def call(*args):
