@@ -216,8 +216,8 @@ def _inductor(fn, args: tuple, name: str, freeze: bool):
 
 
 class _compiling:
-    """While compiling: TorchScript's tracer warnings are not ours, and inference mode is what
-    the engine runs in."""
+    """Compile under inference mode, as the engine's steps run (a graph compiled outside it would
+    record autograd state the replays do not have)."""
 
     def __enter__(self):
         self._inf = torch.inference_mode()
