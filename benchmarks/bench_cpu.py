@@ -29,6 +29,11 @@ default 3; f32 GGUFs),
 each a long-lived driver process fed token ids (benchmarks/llamacpp/driver.cpp), alternated
 in the rounds like every other engine, and ratios x llama.cpp. Without it the table says how
 to build it and goes on without those rows.
+
+`--compile MODE` (inductor, freeze or aot: LLM(compile=...), mtpkit/graphs/compiled.py) adds an
+engine per num_spec whose decode graphs are compiled (in the warm-up, `compile_after = 0`), rows
+"mtpkit num_spec=k MODE", alternated with the traced ones in the same rounds, and their ratio
+x the traced engine of the same num_spec.
 """
 
 import argparse
@@ -132,6 +137,10 @@ def main():
     p.add_argument("--llamacpp", type=Path, default=None,
                    help="llama.cpp workdir of benchmarks/llamacpp/build.py (default $MTPKIT_LLAMACPP "
                         "or ~/.cache/mtpkit-llamacpp)")
+    p.add_argument("--compile", choices=["inductor", "freeze", "aot"], default=None,
+                   help="also run mtpkit engines with compiled decode graphs (LLM(compile=...))")
+    p.add_argument("--compile-spec", type=int, nargs="+", default=None,
+                   help="the num_spec values of the compiled engines (default: 0..--max-spec)")
     p.add_argument("--llamacpp-drafts", type=int, default=llamacpp_client.NUM_DRAFTS,
                    help="llama.cpp's draft length in MTP mode")
     args = p.parse_args()
@@ -141,6 +150,10 @@ def main():
     hf, hf_assistant = hf_models(path)
     engines = {k: LLM(path, num_spec=k, dtype="float32", max_num_seqs=max(args.batches))
                for k in range(args.max_spec + 1)}
+    if args.compile:   # keys ("c", k): compiled in the warm-up, so the rounds time the steady state
+        engines.update({("c", k): LLM(path, num_spec=k, dtype="float32", max_num_seqs=max(args.batches),
+                                      compile=args.compile, compile_after=0)
+                        for k in (args.compile_spec or range(args.max_spec + 1))})
     for llm in engines.values():  # long-lived engines: CPU graphs traced on first use (graphs.captured)
         llm.runner.graphs.trace_after = 0
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
@@ -163,7 +176,7 @@ def main():
                                              for t in hf_generate(hf, g, args.max_tokens, hf_assistant, k)]
         for k, llm in engines.items():
             def run(k=k, llm=llm):
-                llm.stats.__init__(num_spec=k)
+                llm.stats.__init__(num_spec=k[1] if isinstance(k, tuple) else k)
                 return [o.token_ids for g in groups for o in llm.generate(g, sp)]
             fns[k] = run
         if batch == 1:   # the driver decodes one sequence at a time
@@ -185,9 +198,12 @@ def main():
                 label = f"{name} {args.llamacpp_drafts} drafts" if name != "llama.cpp" else "llama.cpp f32"
             elif isinstance(name, str):
                 label = name if name == "transformers" else f"transformers assisted k={name[2:]}"
+            elif isinstance(name, tuple):
+                label = f"mtpkit num_spec={name[1]} {args.compile}"
             else:
                 label = f"mtpkit num_spec={name}"
-            mal = engines[name].stats.mean_acceptance_length if isinstance(name, int) and name else None
+            k = name[1] if isinstance(name, tuple) else name
+            mal = engines[name].stats.mean_acceptance_length if name in engines and k else None
             if name in stats and name != "llama.cpp":
                 mal = sum(len(g.tokens) for g in stats[name]) / sum(g.n_steps for g in stats[name])
             x_lc = f"{ratio(times, name, lc):.2f}" if lc else ""
@@ -207,6 +223,21 @@ def main():
                 line += (f", {ratio(times, best, lb):.2f}x llama.cpp's best ({lb}); mtpkit without "
                          f"drafts {ratio(times, 0, lb):.2f}x")
             print(line)
+        compiled = [k for k in fns if isinstance(k, tuple)]
+        if compiled and ours:
+            print(f"  {args.compile} x traced, same num_spec: " + ", ".join(
+                f"k={k}: {ratio(times, ('c', k), k):.2f}" for _, k in compiled))
+            best_c = min(compiled, key=lambda k: statistics.median(times[k]))
+            line = (f"  best compiled num_spec={best_c[1]}: {ratio(times, best_c, best):.2f}x the best traced, "
+                    f"{ratio(times, best_c, 0):.2f}x traced without drafts")
+            if lc:
+                line += f", {ratio(times, best_c, lb):.2f}x llama.cpp's best"
+                if ("c", 0) in times:
+                    line += f"; compiled without drafts {ratio(times, ('c', 0), lb):.2f}x"
+            print(line)
+    if args.compile:
+        for k in args.compile_spec or range(args.max_spec + 1):
+            print(f"num_spec={k} {args.compile}: {engines['c', k].runner.graphs.compiler.describe()}")
     print(f"\nall greedy outputs identical: {all_same}")
     for d in llamacpp.values():
         d.close()

@@ -91,6 +91,10 @@ def add_memory_options(p: argparse.ArgumentParser) -> None:
     m.add_argument("--fp8-weights", choices=list(FP8_WEIGHTS), default="auto",
                    help="FP8 checkpoints: keep the FP8 weights and run the block-scaled FP8 matmul, or dequantize "
                         "them at load (auto: keep on CUDA, dequantize elsewhere)")
+    p.add_argument("--compile", choices=["inductor", "freeze", "aot"], default=None,
+                   help="CPU: compile the decode graphs that serve many steps (inductor; freeze: frozen weights, "
+                        "fastest, minutes per graph; aot: AOTInductor packages cached in ~/.cache/mtpkit/aot). "
+                        "Default: TorchScript traces, an engine starts in seconds")
 
 
 def memory_kwargs(args) -> dict:
@@ -98,7 +102,7 @@ def memory_kwargs(args) -> dict:
     return dict(gpu_memory_utilization=args.gpu_memory_utilization, memory_budget=args.memory_budget,
                 kv_cache_memory=args.kv_cache_memory, state_cache_memory=args.state_cache_memory,
                 num_blocks=args.num_blocks, num_state_slots=args.num_state_slots,
-                keep_fp8=FP8_WEIGHTS[args.fp8_weights])
+                keep_fp8=FP8_WEIGHTS[args.fp8_weights], compile=getattr(args, "compile", None))
 
 
 def _parser() -> argparse.ArgumentParser:

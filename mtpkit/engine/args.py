@@ -13,6 +13,7 @@ from mtpkit.sampling.params import MAX_SEED
 from mtpkit.errors import ConfigError
 
 LOAD_FORMATS = ("safetensors", "dummy")
+COMPILE_MODES = ("inductor", "freeze", "aot")   # graphs/compiled.py MODES (floor 8: not imported here)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,13 @@ class EngineArgs:
     nearest 512) and at the prompt's
     last full block; num_prefix_snapshots: entries of the snapshot pool (None: 4 per
     max_num_seqs request; pool_sizing.prefix_snapshots).
+    compile (CPU, opt-in): the traced decode graphs are also compiled once each has served
+    compile_after replays (graphs/compiled.py): "inductor" (torch.compile, default mode; seconds
+    per graph warm from inductor's cache, minutes cold), "freeze" (inductor with frozen weights
+    and max-autotune's C++ GEMMs: the fastest steps, minutes per graph, never cached) or "aot"
+    (torch.export + AOTInductor packages cached under compile_cache_dir, default
+    ~/.cache/mtpkit/aot: a warm start loads them). None (default): TorchScript traces replay, so
+    an engine starts in seconds. compile_after None: graphs.compiled.COMPILE_AFTER.
     """
 
     num_spec: int = 0
@@ -78,6 +86,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     prefix_snapshot_interval: int | None = None
     num_prefix_snapshots: int | None = None
+    compile: str | None = None
+    compile_after: int | None = None
+    compile_cache_dir: str | Path | None = None
 
 
 def check_load_format(load_format: str) -> None:
@@ -97,6 +108,11 @@ def check_args(a: EngineArgs) -> None:
         v = getattr(a, name)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
             raise ConfigError(f"{name}={v!r} must be an int")
+    if a.compile is not None and a.compile not in COMPILE_MODES:
+        raise ConfigError(f"compile={a.compile!r} must be None or one of {', '.join(map(repr, COMPILE_MODES))}")
+    if a.compile_after is not None and (not isinstance(a.compile_after, int) or isinstance(a.compile_after, bool)
+                                        or a.compile_after < 0):
+        raise ConfigError(f"compile_after={a.compile_after!r} must be an int >= 0 (replays before a graph is compiled)")
     if a.keep_fp8 is not None and not isinstance(a.keep_fp8, bool):
         raise ConfigError(f"keep_fp8={a.keep_fp8!r} must be True, False or None (None: keep FP8 weights on CUDA)")
     if not 0 <= a.seed <= MAX_SEED:

@@ -98,6 +98,11 @@ def build_engine(ckpt: Checkpoint, args: EngineArgs) -> Engine:
                     prefix_caching=a.enable_prefix_caching,
                     prefix_snapshot_interval=a.prefix_snapshot_interval or max(1, 512 // a.block_size) * a.block_size)
     engine.threads_held = set_cpu_threads(model, device, a.num_threads)
+    graphs = engine.runner.graphs
+    if a.compile is not None and graphs is not None and graphs.trace:   # CPU traces only (not CUDA, TP, Triton)
+        from mtpkit.graphs.compiled import COMPILE_AFTER, Compiler, body_modules
+        graphs.compiler = Compiler(a.compile, body_modules(model, drafter), a.compile_cache_dir,
+                                   COMPILE_AFTER if a.compile_after is None else a.compile_after)
     if plan is not None:
         if device.type == "cuda":  # activations measured, then the pools at their planned sizes
             resize_to_measured(engine, budget, meta)

@@ -254,6 +254,7 @@ class CapturedSteps:
         self._control_buf: tuple[Tensor, ...] | None = None   # ControlInputs.ints / .floats, [3, max_reqs] each
         self._args: dict = {}             # ("verify" | "propose", n) -> the bodies' buffer and cache arguments
         self._cache_flat: tuple[Tensor, ...] | None = None
+        self.compiler = None              # CPU: graphs.compiled.Compiler (LLM(compile=...)), else traces replay
 
     # ---- what is traced or captured -------------------------------------------------------
     # A body with its context length fixed, over flat tensor arguments. The cache tensors are
@@ -361,7 +362,9 @@ class CapturedSteps:
             with private_compilation_unit():
                 traced = torch.jit.trace(fn, args, check_trace=False)
         # A graph replays only at the shape it was traced for: fold its shape bookkeeping.
-        return specialized(traced, name)
+        graph = specialized(traced, name)
+        # LLM(compile=...): the trace serves until the compiled graph takes over (graphs.compiled).
+        return graph if self.compiler is None else self.compiler.wrap(graph, fn, args, name)
 
     def _trace_failed(self, e: Exception) -> None:
         warnings.warn(f"mtpkit: tracing a CPU decode graph failed ({type(e).__name__}: {e}); "
@@ -538,4 +541,5 @@ class CapturedSteps:
     def describe(self) -> str:
         mode = ("CUDA graphs" if self.cuda else "TorchScript traces on CPU" if self.trace
                 else "static buffers (CPU replay)")
-        return f"{mode}: {self.plan.describe()}"
+        compiled = f"; {self.compiler.describe()}" if self.compiler is not None and self.trace else ""
+        return f"{mode}: {self.plan.describe()}{compiled}"

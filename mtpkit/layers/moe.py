@@ -224,7 +224,8 @@ class SparseMoE(nn.Module):
         """The path a step of T tokens takes (by its shape, never its data). A captured or
         traced graph must not take the grouped path: its shapes follow the routing (a CUDA
         capture would fail; a CPU trace would replay the routing it was traced with)."""
-        capturing = torch.jit.is_tracing() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        capturing = torch.jit.is_tracing() or torch.compiler.is_compiling() or (
+            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
         # A fused backend kernel reads each touched expert once however many tokens chose it,
         # so gathering beats computing every expert at any step size (a batch of 8 bundles of 4
         # with top 10 of 512 experts touches about half of them); the torch gather copies each

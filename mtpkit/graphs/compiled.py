@@ -1,0 +1,281 @@
+"""Compiled CPU decode graphs (opt-in: `LLM(compile=...)`): each graph the CPU path traces
+(graphs.captured: verify / propose per (n, context bucket), the prefill proposal, the controls)
+is also compiled, and the compiled code replays instead of the TorchScript trace.
+
+Modes (benchmarks/compile_modes.py measures them; docs/performance.md has the table and the choice):
+- "inductor": torch.compile(fullgraph=True, dynamic=False), inductor's default mode (C++ / OpenMP
+  kernels on CPU). Cacheable by inductor's own FX / AOT caches: a warm start recompiles in seconds.
+- "freeze": the same with `torch._inductor.config.freezing` and max-autotune's C++ GEMM template:
+  the weights become constants of the compiled code, laid out for its matmuls. Fastest steps, but
+  minutes of compilation per graph and not served by inductor's caches.
+- "aot": torch.export + AOTInductor, one package per graph on disk (`cache_dir`, default
+  ~/.cache/mtpkit/aot), named by a hash of the model (its weights, their layout, its modules' repr),
+  mtpkit's source, the torch version and the graph (name, argument shapes): no dynamo guards and no
+  Python wrapper at replay; a warm start only loads the packages.
+The cache tensors are arguments of every graph (CapturedSteps._flat), never constants: they change
+between replays. The weights are constants in "freeze" and "aot" only, which is sound because
+nothing writes a model's weights after load (tests/test_compiled.py checks the hash is stable
+over a generation), and "aot"'s package name holds their hash.
+
+Compilation is lazy per graph: a graph's trace serves its first `compile_after` replays (0:
+compile at once), so a short run never waits, and only graphs used that often are compiled.
+A graph whose compilation fails keeps its trace (with a warning).
+"""
+
+import dataclasses
+import hashlib
+import os
+import time
+import types
+import warnings
+from pathlib import Path
+
+import torch
+
+MODES = ("inductor", "freeze", "aot")
+# torch.compile's backend for "inductor" / "freeze" (tests swap in "aot_eager": dynamo's capture
+# without inductor's C++ compilation, which costs minutes cold).
+BACKEND = "inductor"
+# A traced graph replays this many times before it is compiled (CapturedSteps traces a graph after
+# its own CPU_TRACE_AFTER direct calls): a compiled graph repays its compilation only over a long run.
+COMPILE_AFTER = 64
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("MTPKIT_CACHE", Path.home() / ".cache" / "mtpkit")) / "aot"
+
+
+@dataclasses.dataclass
+class CompileRecord:
+    """One compiled graph: its name, mode, seconds spent compiling (or loading a package), and
+    whether it came from the on-disk package cache ("aot")."""
+
+    name: str
+    mode: str
+    seconds: float
+    cached: bool = False
+    error: str | None = None
+
+
+class Compiler:
+    """Compiles the graphs a CapturedSteps traces. `modules`: every nn.Module the bodies run
+    (the target, the drafter's), whose weights and repr name an "aot" package."""
+
+    def __init__(self, mode: str, modules: list[torch.nn.Module], cache_dir: Path | None = None,
+                 compile_after: int = COMPILE_AFTER):
+        if mode not in MODES:
+            raise ValueError(f"compile={mode!r} must be one of {MODES} or None")
+        self.mode, self.modules, self.compile_after = mode, modules, compile_after
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.records: list[CompileRecord] = []
+        self._identity: str | None = None
+
+    # ---- what a replay calls ------------------------------------------------------------
+    def wrap(self, traced, fn, args: tuple, name: str):
+        """What replays graph `name`: `traced` until it has served compile_after replays, then
+        `fn` (the body over flat tensor args, as traced) compiled. `args`: inert arguments of the
+        graph's shapes (compiled now when compile_after is 0)."""
+        graph = LazyCompiled(self, traced, fn, name)
+        if self.compile_after == 0:
+            graph.compile(args)
+        return graph
+
+    def compile(self, fn, args: tuple, name: str):
+        """fn compiled for args' shapes by this mode; the call that compiles ("inductor",
+        "freeze") also runs fn once on args (CapturedSteps passes inert rows or the step's own)."""
+        t = time.perf_counter()
+        cached = False
+        if self.mode == "aot":
+            compiled, cached = self._aot(fn, args, name)
+        else:
+            compiled = _inductor(fn, args, name, freeze=self.mode == "freeze")
+        self.records.append(CompileRecord(name, self.mode, time.perf_counter() - t, cached))
+        return compiled
+
+    # ---- AOTInductor packages -------------------------------------------------------------
+    def identity(self) -> str:
+        """The model's part of a package name: its weights (values, shapes, dtypes, strides), the
+        repr of its modules (their sizes and settings), mtpkit's source and torch's version."""
+        if self._identity is None:
+            self._identity = model_identity(self.modules)
+        return self._identity
+
+    def package_path(self, args: tuple, name: str) -> Path:
+        h = hashlib.blake2b(digest_size=16)
+        h.update(self.identity().encode())
+        h.update(name.encode())
+        for a in args:
+            h.update(f"{tuple(a.shape)}{a.stride()}{a.dtype}{a.device}".encode())
+        return self.cache_dir / f"{name}-{h.hexdigest()}.pt2"
+
+    def _aot(self, fn, args: tuple, name: str):
+        path = self.package_path(args, name)
+        cached = path.exists()
+        if not cached:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            body = _Body(fn, self.modules)
+            with _compiling():
+                exported = torch.export.export(body, tuple(args), strict=False)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
+                torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp))
+            os.replace(tmp, path)   # atomic: a concurrent process loads a whole package or none
+        runner = torch._inductor.aoti_load_package(str(path))
+        return _AOTGraph(runner), cached
+
+    def describe(self) -> str:
+        done = [r for r in self.records if r.error is None]
+        failed = len(self.records) - len(done)
+        secs = sum(r.seconds for r in done)
+        what = {"inductor": "inductor (default mode)", "freeze": "inductor (freezing + max-autotune GEMMs)",
+                "aot": f"AOTInductor packages ({self.cache_dir})"}[self.mode]
+        cached = sum(r.cached for r in done)
+        return (f"compiled by {what} after {self.compile_after} traced replays: {len(done)} graphs "
+                f"({cached} from the cache) in {secs:.1f} s" + (f", {failed} failed (traced)" if failed else ""))
+
+
+class LazyCompiled:
+    """A graph replayed by its trace, then by its compiled code (Compiler.wrap)."""
+
+    def __init__(self, compiler: Compiler, traced, fn, name: str):
+        self.compiler, self.traced, self.fn, self.name = compiler, traced, fn, name
+        self.compiled = None
+        self.uses = 0
+
+    def compile(self, args: tuple):
+        try:
+            self.compiled = self.compiler.compile(self.fn, args, self.name)
+        except Exception as e:  # noqa: BLE001 - the trace goes on serving
+            warnings.warn(f"mtpkit: compiling CPU graph {self.name} failed ({type(e).__name__}: {e}); "
+                          "its TorchScript trace replays instead", RuntimeWarning, stacklevel=3)
+            self.compiler.records.append(CompileRecord(self.name, self.compiler.mode, 0.0, error=str(e)))
+            self.compiled = self.traced
+        return self.compiled
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            return self.compiled(*args)
+        self.uses += 1
+        if self.uses <= self.compiler.compile_after:
+            return self.traced(*args)
+        if self.compiler.mode == "aot":   # export does not run the body: compile, then run
+            return self.compile(args)(*args)
+        # inductor compiles on its first call, which also runs the graph on this step's arguments
+        compiled = _inductor_lazy(self.fn, self.name, freeze=self.compiler.mode == "freeze")
+        t = time.perf_counter()
+        try:
+            with _compiling():
+                out = compiled(*args)
+        except Exception as e:  # noqa: BLE001 - a failure before any write: dynamo raises while tracing
+            warnings.warn(f"mtpkit: compiling CPU graph {self.name} failed ({type(e).__name__}: {e}); "
+                          "its TorchScript trace replays instead", RuntimeWarning, stacklevel=2)
+            self.compiler.records.append(CompileRecord(self.name, self.compiler.mode, 0.0, error=str(e)))
+            self.compiled = self.traced
+            return self.traced(*args)
+        self.compiler.records.append(CompileRecord(self.name, self.compiler.mode, time.perf_counter() - t))
+        self.compiled = compiled
+        return out
+
+
+# ---- inductor ---------------------------------------------------------------------------
+def _fresh(fn, name: str):
+    """A function calling fn with a code object of its own: dynamo keeps its compiled entries per
+    code object, and one shared by every graph (every key's `_flat` lambda has the same code)
+    would hit its recompile limit at the 9th key and guard-check every entry at each call."""
+    def call(*args):
+        return fn(*args)
+    code = call.__code__.replace(co_name=name.replace("-", "_"))
+    return types.FunctionType(code, call.__globals__, name, None, call.__closure__)
+
+
+def _inductor_options(freeze: bool) -> dict:
+    if not freeze:
+        return {}
+    # max_autotune_gemm_backends ATEN,CPP: the C++ GEMM template (the gain at M = 1..32) or MKL,
+    # whichever autotuning measures faster.
+    return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
+def _inductor_lazy(fn, name: str, freeze: bool):
+    """torch.compile of fn, compiling on its first call under this mode's inductor settings (the
+    `options=` of torch.compile were not honoured for these, so the settings are patched around
+    the compiling call and its possible recompiles)."""
+    compiled = torch.compile(_fresh(fn, name), fullgraph=True, dynamic=False, backend=BACKEND)
+    options = _inductor_options(freeze)
+
+    def call(*args):
+        with torch._inductor.config.patch(options):
+            return compiled(*args)
+    return call
+
+
+def _inductor(fn, args: tuple, name: str, freeze: bool):
+    compiled = _inductor_lazy(fn, name, freeze)
+    with _compiling():
+        compiled(*args)
+    return compiled
+
+
+class _compiling:
+    """Compile under inference mode, as the engine's steps run (a graph compiled outside it would
+    record autograd state the replays do not have)."""
+
+    def __enter__(self):
+        self._inf = torch.inference_mode()
+        self._inf.__enter__()
+
+    def __exit__(self, *exc):
+        self._inf.__exit__(*exc)
+
+
+# ---- AOTInductor ------------------------------------------------------------------------
+class _Body(torch.nn.Module):
+    """fn as a module whose submodules are the model's, so torch.export sees their weights as
+    parameters (constants of the package) rather than tensors captured from a closure."""
+
+    def __init__(self, fn, modules: list[torch.nn.Module]):
+        super().__init__()
+        self.fn = fn
+        self.parts = torch.nn.ModuleList(modules)
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+class _AOTGraph:
+    """A loaded AOTInductor package: called with the graph's flat arguments."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def __call__(self, *args):
+        return self.runner(*args)
+
+
+def model_identity(modules: list[torch.nn.Module]) -> str:
+    """A hash of everything an "aot" package bakes in besides its graph: the modules' weights
+    (bytes, shapes, dtypes, strides) and buffers, their repr, mtpkit's source and torch's version."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(torch.__version__.encode())
+    src = Path(__file__).resolve().parents[1]
+    for f in sorted(src.rglob("*.py")):
+        h.update(f.relative_to(src).as_posix().encode())
+        h.update(f.read_bytes())
+    seen: set[int] = set()
+    for m in modules:
+        h.update(repr(m).encode())
+        for name, t in list(m.named_parameters()) + list(m.named_buffers()):
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            h.update(f"{name}{tuple(t.shape)}{t.stride()}{t.dtype}".encode())
+            h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def body_modules(model, drafter) -> list[torch.nn.Module]:
+    """The nn.Modules the step bodies run: the target and whatever modules the drafter holds."""
+    mods = [model]
+    for v in vars(drafter).values() if drafter is not None else ():
+        if isinstance(v, torch.nn.Module) and all(v is not m for m in mods):
+            mods.append(v)
+    return mods

@@ -1,0 +1,141 @@
+"""Compiled CPU decode graphs (LLM(compile=...), mtpkit/graphs/compiled.py): greedy tokens
+compiled == traced == eager, float64 random models.
+
+Inductor's C++ compilation costs about 2 CPU minutes per model here with empty caches (measured:
+131 s CPU for the three graphs of the Qwen3-Next below), more than the suite's budget for this
+file, so the default run compiles with dynamo's capture and the "aot_eager" backend
+(graphs.compiled.BACKEND): the same fullgraph capture, guards, per-graph code objects, lazy
+swap and MoE capture path, without inductor's code generation. The tests that run inductor and
+AOTInductor for real run with MTPKIT_TEST_COMPILE=1 (and are skipped, saying so, without it);
+benchmarks/compile_modes.py checks every mode's tokens on both embedded models, num_spec 0 and 3."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from mtpkit.graphs import compiled
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gemma4_oracle as G  # noqa: E402
+import oracle  # noqa: E402
+import spec_models  # noqa: E402
+
+from mtpkit import LLM, SamplingParams  # noqa: E402
+from mtpkit.errors import ConfigError  # noqa: E402
+from mtpkit.graphs.compiled import LazyCompiled, body_modules, model_identity  # noqa: E402
+from mtpkit.layers.moe import SparseMoE  # noqa: E402
+
+F64 = dict(dtype="float64", device="cpu", max_model_len=64, max_num_seqs=1)
+PROMPT = [3, 17, 5, 9, 30, 2, 11, 8]
+SP = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    cfg = dict(oracle.TINY_CONFIGS["gqa4_hd32_top3"])
+    return spec_models.build_spec_checkpoint(tmp_path_factory.mktemp("compiled") / "qwen", cfg, seed=3,
+                                             mode="bigram", eps=0.3)
+
+
+@pytest.fixture(scope="module")
+def reference(qwen):
+    """(eager tokens, traced tokens) at num_spec 3."""
+    eager = LLM(qwen, num_spec=3, enforce_eager=True, **F64).generate([PROMPT], SP)[0].token_ids
+    llm = LLM(qwen, num_spec=3, **F64)
+    llm.runner.graphs.trace_after = 0
+    before = model_identity(body_modules(llm.model, llm.drafter))
+    traced = llm.generate([PROMPT], SP)[0].token_ids
+    # "freeze" and "aot" bake the weights in: nothing may write them after load.
+    assert model_identity(body_modules(llm.model, llm.drafter)) == before
+    return eager, traced
+
+
+REAL = pytest.mark.skipif(not os.environ.get("MTPKIT_TEST_COMPILE"),
+                          reason="inductor / AOTInductor compile for minutes cold: set MTPKIT_TEST_COMPILE=1")
+
+
+@pytest.fixture
+def dynamo_only(monkeypatch):
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+
+
+def _compiled(path, mode, **kw):
+    llm = LLM(path, compile=mode, compile_after=0, **F64, **kw)
+    llm.runner.graphs.trace_after = 0
+    return llm.generate([PROMPT], SP)[0].token_ids, llm
+
+
+def _compiled_names(llm) -> set[str]:
+    g = llm.runner.graphs
+    graphs = list(g.verify_graphs.values()) + list(g.propose_graphs.values()) + list(g.prefill_graphs.values())
+    assert all(isinstance(x, LazyCompiled) for x in graphs if x is not None)
+    assert not [r for r in g.compiler.records if r.error], g.compiler.records
+    return {r.name for r in g.compiler.records}
+
+
+def test_dynamo_capture_equals_trace_and_eager(qwen, reference, dynamo_only, monkeypatch):
+    """Lazily (compile_after=2): a graph's trace serves its first two replays, then the compiled
+    graph replays; tokens equal the trace's and eager's throughout. With the MoE's dense_limit at
+    0 a step not seen as captured would take the grouped path (shapes follow the routing), which
+    fullgraph capture refuses: the compiled graphs must see themselves as captured."""
+    eager, traced = reference
+    assert traced == eager
+    monkeypatch.setattr(SparseMoE, "dense_limit", 0)
+    llm = LLM(qwen, num_spec=3, compile="inductor", compile_after=2, **F64)
+    g = llm.runner.graphs
+    g.trace_after = 0
+    # the prefill's token, then at most 2 verify steps: each graph's trace serves them
+    assert llm.generate([PROMPT], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids == eager[:3]
+    assert g.verify_graphs[1, 64].compiled is None and not g.compiler.records
+    assert llm.generate([PROMPT], SP)[0].token_ids == eager
+    assert _compiled_names(llm) == {"verify_1_64", "propose_1_64"}   # the prefill proposal ran twice: traced
+    assert "compiled by inductor" in g.describe()
+
+
+@REAL
+def test_inductor_equals_trace_and_eager(qwen, reference):
+    eager, traced = reference
+    assert traced == eager
+    out, llm = _compiled(qwen, "inductor", num_spec=3)
+    assert _compiled_names(llm) == {"verify_1_64", "propose_1_64", "prefill_proposal_16_1_64"}
+    assert out == eager
+    assert "compiled by inductor" in llm.runner.graphs.describe()
+
+
+@REAL
+def test_aot_packages_equal_eager_and_load_from_the_cache(qwen, reference, tmp_path_factory):
+    eager, _ = reference
+    cache = tmp_path_factory.mktemp("aot")
+    out, llm = _compiled(qwen, "aot", num_spec=3, compile_cache_dir=cache)
+    assert _compiled_names(llm) == {"verify_1_64", "propose_1_64", "prefill_proposal_16_1_64"}
+    assert out == eager
+    assert len(list(cache.glob("*.pt2"))) == 3
+    warm, llm = _compiled(qwen, "aot", num_spec=3, compile_cache_dir=cache)
+    assert warm == eager
+    assert all(r.cached for r in llm.runner.graphs.compiler.records)
+
+
+def test_gemma4_without_drafts(tmp_path_factory, dynamo_only):
+    path = tmp_path_factory.mktemp("compiled") / "gemma4"
+    G.save(G.build_hf("dense"), path)
+    prompt = oracle.random_prompt(9, 128, seed=49)
+    eager = LLM(path, enforce_eager=True, **F64).generate([prompt], SP)[0].token_ids
+    llm = LLM(path, compile="inductor", compile_after=0, **F64)
+    llm.runner.graphs.trace_after = 0
+    assert llm.generate([prompt], SP)[0].token_ids == eager
+    assert _compiled_names(llm) == {"verify_1_64"}
+
+
+@pytest.mark.parametrize("kw", [dict(compile="jit"), dict(compile="inductor", compile_after=-1)])
+def test_bad_compile_arguments(qwen, kw):
+    with pytest.raises(ConfigError, match="compile"):
+        LLM(qwen, **kw, **F64)
+
+
+def test_default_is_the_trace(qwen):
+    llm = LLM(qwen, **F64)
+    assert llm.runner.graphs.compiler is None
+    assert "compiled" not in llm.runner.graphs.describe()
+    assert torch.jit.is_tracing() is False
