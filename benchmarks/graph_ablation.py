@@ -49,7 +49,8 @@ def graphs(variant, num_spec: int, prompt: list[int]):
     sp = SamplingParams(max_tokens=32, ignore_eos=True)
     llm.generate([prompt], sp)
     g = llm.runner.graphs
-    key, n = g._key, g._key[0]
+    n = g._last.num_reqs_padded
+    key = (n, g._last.traced_context)
     verify_args = g._verify_args(n)
     out = {"verify": lambda: g.verify_graphs[key](*verify_args)}
     if num_spec:

@@ -86,7 +86,7 @@ def body_calls(g, batch: int):
     state = {}
 
     def verify():
-        state["hidden"], state["logits"] = g._verify_fn(ctx)(*g._verify_args(n))
+        state["hidden"], state["logits"] = g._verify_fn(ctx)(*g._verify_args(n))[:2]
 
     def propose():
         return g._propose_fn(ctx)(*g._propose_args(n, state["hidden"]))
@@ -105,7 +105,7 @@ def replays(g):
     out = {}
 
     def v():
-        out["hidden"], _ = verify(*args)
+        out["hidden"] = verify(*args)[0]
 
     def p():
         return propose(*g._propose_args(n, out["hidden"]))

@@ -206,6 +206,7 @@ class SparseMoE(nn.Module):
         self.w_in.data, self.w13.data = merged[:n], merged[n:].view(self.w13.shape)
         self.w_in13 = merged
 
+    @torch.compiler.assume_constant_result   # a graph's constant, as a trace freezes it (dynamo cannot compare pointers)
     def _merged(self) -> bool:
         """w_in13 still holds w_in and w13 (not replaced since merge_for_cpu)."""
         m = self.w_in13
