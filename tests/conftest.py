@@ -27,6 +27,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import oracle as O  # noqa: E402
 
+# Triton reads TRITON_INTERPRET when it is first imported, and torch.compile (tests/test_compiled.py)
+# imports it: set here, before any test file, what the Triton test files set for a CPU run (a
+# GPU run of them, MTPKIT_TRITON_TEST_DEVICE=cuda, compiles natively).
+if os.environ.get("MTPKIT_TRITON_TEST_DEVICE", "cpu") != "cuda":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def _libc():
     """glibc, set to return freed tensor memory to the system: large blocks always mmap'd (a
@@ -43,6 +49,23 @@ def _libc():
 
 
 _LIBC = _libc()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _sigint_handler_kept(request):
+    """A test file that leaves SIGINT changed in this worker (a library's subprocess or
+    compile-worker set-up ignoring it, say) would make every later Ctrl-C test in the process
+    fail (_thread.interrupt_main does nothing when SIGINT is ignored: the interrupt tests'
+    "DID NOT RAISE"). Put back, and said, naming the file."""
+    import signal
+    import warnings
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not before and before is not None:
+        signal.signal(signal.SIGINT, before)
+        warnings.warn(f"{request.node.nodeid} left the SIGINT handler changed ({before!r} -> {after!r}); "
+                      "put back", RuntimeWarning, stacklevel=1)
 
 
 # Module-level memos some test files keep (LLMs built once per configuration, reference outputs).

@@ -206,12 +206,19 @@ class SparseMoE(nn.Module):
         self.w_in.data, self.w13.data = merged[:n], merged[n:].view(self.w13.shape)
         self.w_in13 = merged
 
-    @torch.compiler.assume_constant_result   # a graph's constant, as a trace freezes it (dynamo cannot compare pointers)
+    _merged_seen = False   # the last eager answer of _merged
+
     def _merged(self) -> bool:
-        """w_in13 still holds w_in and w13 (not replaced since merge_for_cpu)."""
+        """w_in13 still holds w_in and w13 (not replaced since merge_for_cpu). Under torch.compile
+        (which cannot compare pointers) the last eager answer: the trace a compiled graph replaces
+        ran it, and a trace freezes it the same way."""
+        if torch.compiler.is_compiling():
+            return self._merged_seen
         m = self.w_in13
-        return (m is not None and self.w_in is not None and self.w13 is not None
-                and self.w_in.data_ptr() == m.data_ptr() and self.w13.data_ptr() == m[self.w_in.shape[0]:].data_ptr())
+        self._merged_seen = (m is not None and self.w_in is not None and self.w13 is not None
+                             and self.w_in.data_ptr() == m.data_ptr()
+                             and self.w13.data_ptr() == m[self.w_in.shape[0]:].data_ptr())
+        return self._merged_seen
 
     @checked
     def forward(self, x: Float[Tensor, "num_tokens hidden"]) -> Float[Tensor, "num_tokens hidden"]:
