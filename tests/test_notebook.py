@@ -210,8 +210,9 @@ def test_shape_trace_html_and_filter(llm):
         llm.step()   # one verify step
     while llm.scheduler.has_unfinished():
         llm.step()
-    sel = trace.filter("rejection", bundle=4)
-    assert len(sel) == 1 and all("rejection" in e.function for e in sel)
+    # (the greedy outcome of a verify step: sampling/rejection.greedy_verify, in the verify body)
+    sel = trace.filter("greedy_verify", bundle=4)
+    assert len(sel) == 1 and all("greedy_verify" in e.function for e in sel)
     assert len(trace.filter(num_reqs_padded=True)) < len(trace)
     assert len(trace.filter(bundle=5)) == 0
     with pytest.raises(NameError, match="not dimension names"):
