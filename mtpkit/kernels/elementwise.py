@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from mtpkit.shapes import Float, Tensor, checked
 
 
-# The three helpers below take any shape (they act on dtypes and on the last dim: Gemma's
+# The helpers below take any shape (they act on dtypes and on the last dim: Gemma's
 # q/k/v norms run norm_last_dim on [num_tokens, heads, head_dim]), so their tensors are plain.
 def as_float(x: Tensor) -> Tensor:
     """fp32 for the norms' arithmetic (fp64 stays fp64); no op when already so."""
