@@ -18,6 +18,7 @@ over a vocab of 128-256 (near-uniform distributions, many near-ties); x4 gives m
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import pytest
@@ -49,6 +50,13 @@ def _libc():
 
 
 _LIBC = _libc()
+
+
+# A process started as a background job of a non-interactive shell (`pytest ... &` in a script)
+# inherits SIGINT ignored, and Python then leaves it ignored: every Ctrl-C test would see
+# _thread.interrupt_main do nothing. The tests run under the handler an interactive user has.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True, scope="module")
