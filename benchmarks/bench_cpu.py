@@ -137,7 +137,7 @@ def main():
     p.add_argument("--llamacpp", type=Path, default=None,
                    help="llama.cpp workdir of benchmarks/llamacpp/build.py (default $MTPKIT_LLAMACPP "
                         "or ~/.cache/mtpkit-llamacpp)")
-    p.add_argument("--compile", choices=["inductor", "freeze", "aot"], default=None,
+    p.add_argument("--compile", choices=["inductor", "freeze", "aot", "aot-tuned"], default=None,
                    help="also run mtpkit engines with compiled decode graphs (LLM(compile=...))")
     p.add_argument("--compile-spec", type=int, nargs="+", default=None,
                    help="the num_spec values of the compiled engines (default: 0..--max-spec)")

@@ -91,7 +91,7 @@ def add_memory_options(p: argparse.ArgumentParser) -> None:
     m.add_argument("--fp8-weights", choices=list(FP8_WEIGHTS), default="auto",
                    help="FP8 checkpoints: keep the FP8 weights and run the block-scaled FP8 matmul, or dequantize "
                         "them at load (auto: keep on CUDA, dequantize elsewhere)")
-    p.add_argument("--compile", choices=["inductor", "freeze", "aot"], default=None,
+    p.add_argument("--compile", choices=["inductor", "freeze", "aot", "aot-tuned"], default=None,
                    help="CPU: compile the decode graphs that serve many steps (inductor; freeze: frozen weights, "
                         "fastest, minutes per graph; aot: AOTInductor packages cached in ~/.cache/mtpkit/aot). "
                         "Default: TorchScript traces, an engine starts in seconds")

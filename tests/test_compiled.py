@@ -105,16 +105,25 @@ def test_inductor_equals_trace_and_eager(qwen, reference):
 
 
 @REAL
-def test_aot_packages_equal_eager_and_load_from_the_cache(qwen, reference, tmp_path_factory):
+@pytest.mark.parametrize("mode", ["aot", "aot-tuned"])
+def test_aot_packages_equal_eager_and_load_from_the_cache(qwen, reference, tmp_path_factory, mode):
     eager, _ = reference
     cache = tmp_path_factory.mktemp("aot")
-    out, llm = _compiled(qwen, "aot", num_spec=3, compile_cache_dir=cache)
+    out, llm = _compiled(qwen, mode, num_spec=3, compile_cache_dir=cache)
     assert _compiled_names(llm) == {"verify_1_64", "propose_1_64", "prefill_proposal_16_1_64"}
     assert out == eager
     assert len(list(cache.glob("*.pt2"))) == 3
-    warm, llm = _compiled(qwen, "aot", num_spec=3, compile_cache_dir=cache)
+    warm, llm = _compiled(qwen, mode, num_spec=3, compile_cache_dir=cache)
     assert warm == eager
     assert all(r.cached for r in llm.runner.graphs.compiler.records)
+
+
+def test_aot_modes_name_different_packages(tmp_path):
+    """"aot" and "aot-tuned" compile the same graph differently: one must never load the other's."""
+    from mtpkit.graphs.compiled import Compiler
+    mods, args = [torch.nn.Linear(4, 4)], (torch.zeros(1, 4),)
+    paths = {Compiler(m, mods, cache_dir=tmp_path).package_path(args, "verify_1_64") for m in ("aot", "aot-tuned")}
+    assert len(paths) == 2
 
 
 def test_gemma4_without_drafts(tmp_path_factory, dynamo_only):

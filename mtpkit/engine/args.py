@@ -13,7 +13,7 @@ from mtpkit.sampling.params import MAX_SEED
 from mtpkit.errors import ConfigError
 
 LOAD_FORMATS = ("safetensors", "dummy")
-COMPILE_MODES = ("inductor", "freeze", "aot")   # graphs/compiled.py MODES (floor 8: not imported here)
+COMPILE_MODES = ("inductor", "freeze", "aot", "aot-tuned")   # graphs/compiled.py MODES (floor 8: not imported here)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-MODES = ("inductor", "freeze", "aot")
+MODES = ("inductor", "freeze", "aot", "aot-tuned")
+AOT_MODES = ("aot", "aot-tuned")
 # torch.compile's backend for "inductor" / "freeze" (tests swap in "aot_eager": dynamo's capture
 # without inductor's C++ compilation, which costs minutes cold).
 BACKEND = "inductor"
@@ -85,7 +86,7 @@ class Compiler:
         "freeze") also runs fn once on args (CapturedSteps passes inert rows or the step's own)."""
         t = time.perf_counter()
         cached = False
-        if self.mode == "aot":
+        if self.mode in AOT_MODES:
             compiled, cached = self._aot(fn, args, name)
         else:
             compiled = _inductor(fn, args, name, freeze=self.mode == "freeze")
@@ -104,6 +105,7 @@ class Compiler:
         h = hashlib.blake2b(digest_size=16)
         h.update(self.identity().encode())
         h.update(name.encode())
+        h.update(self.mode.encode())
         for a in args:
             h.update(f"{tuple(a.shape)}{a.stride()}{a.dtype}{a.device}".encode())
         return self.cache_dir / f"{name}-{h.hexdigest()}.pt2"
@@ -117,7 +119,8 @@ class Compiler:
             with _compiling():
                 exported = torch.export.export(body, tuple(args), strict=False)
                 tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
-                torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp))
+                torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp),
+                                                         inductor_configs=_aot_options(self.mode))
             os.replace(tmp, path)   # atomic: a concurrent process loads a whole package or none
         runner = torch._inductor.aoti_load_package(str(path))
         return _AOTGraph(runner), cached
@@ -127,7 +130,8 @@ class Compiler:
         failed = len(self.records) - len(done)
         secs = sum(r.seconds for r in done)
         what = {"inductor": "inductor (default mode)", "freeze": "inductor (freezing + max-autotune GEMMs)",
-                "aot": f"AOTInductor packages ({self.cache_dir})"}[self.mode]
+                "aot": f"AOTInductor packages ({self.cache_dir})",
+                "aot-tuned": f"AOTInductor packages with max-autotune GEMMs ({self.cache_dir})"}[self.mode]
         cached = sum(r.cached for r in done)
         return (f"compiled by {what} after {self.compile_after} traced replays: {len(done)} graphs "
                 f"({cached} from the cache) in {secs:.1f} s" + (f", {failed} failed (traced)" if failed else ""))
@@ -157,7 +161,7 @@ class LazyCompiled:
         self.uses += 1
         if self.uses <= self.compiler.compile_after:
             return self.traced(*args)
-        if self.compiler.mode == "aot":   # export does not run the body: compile, then run
+        if self.compiler.mode in AOT_MODES:   # export does not run the body: compile, then run
             return self.compile(args)(*args)
         # inductor compiles on its first call, which also runs the graph on this step's arguments
         compiled = _inductor_lazy(self.fn, self.name, freeze=self.compiler.mode == "freeze")
@@ -192,6 +196,12 @@ def _inductor_options(freeze: bool) -> dict:
         return {}
     # max_autotune_gemm_backends ATEN,CPP: the C++ GEMM template (the gain at M = 1..32) or MKL,
     # whichever autotuning measures faster.
+    return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
+def _aot_options(mode: str) -> dict:
+    if mode != "aot-tuned":
+        return {}
     return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
