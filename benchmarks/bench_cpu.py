@@ -47,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # training/ is not installed
 
 from mtpkit import LLM, SamplingParams
+from mtpkit.engine.args import COMPILE_MODES
 from mtpkit.checkpoint.hub import resolve_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "llamacpp"))
@@ -137,7 +138,7 @@ def main():
     p.add_argument("--llamacpp", type=Path, default=None,
                    help="llama.cpp workdir of benchmarks/llamacpp/build.py (default $MTPKIT_LLAMACPP "
                         "or ~/.cache/mtpkit-llamacpp)")
-    p.add_argument("--compile", choices=["inductor", "freeze", "aot", "aot-tuned"], default=None,
+    p.add_argument("--compile", choices=COMPILE_MODES, default=None,
                    help="also run mtpkit engines with compiled decode graphs (LLM(compile=...))")
     p.add_argument("--compile-spec", type=int, nargs="+", default=None,
                    help="the num_spec values of the compiled engines (default: 0..--max-spec)")

@@ -14,6 +14,7 @@ import re
 import sys
 import time
 
+from mtpkit.engine.args import COMPILE_MODES
 from mtpkit.sampling.params import MAX_SEED
 
 DEFAULT_MODEL = "tiny-qwen3-next"
@@ -91,9 +92,10 @@ def add_memory_options(p: argparse.ArgumentParser) -> None:
     m.add_argument("--fp8-weights", choices=list(FP8_WEIGHTS), default="auto",
                    help="FP8 checkpoints: keep the FP8 weights and run the block-scaled FP8 matmul, or dequantize "
                         "them at load (auto: keep on CUDA, dequantize elsewhere)")
-    p.add_argument("--compile", choices=["inductor", "freeze", "aot", "aot-tuned"], default=None,
+    p.add_argument("--compile", choices=COMPILE_MODES, default=None,
                    help="CPU: compile the decode graphs that serve many steps (inductor; freeze: frozen weights, "
-                        "fastest, minutes per graph; aot: AOTInductor packages cached in ~/.cache/mtpkit/aot). "
+                        "minutes per graph; aot: AOTInductor packages cached in ~/.cache/mtpkit/aot; aot-tuned: "
+                        "those packages with freeze's GEMMs, the fastest, minutes per graph cold). "
                         "Default: TorchScript traces, an engine starts in seconds")
 
 

@@ -56,8 +56,8 @@ class EngineArgs:
     and max-autotune's C++ GEMMs: the fastest steps, minutes per graph, never cached) or "aot"
     (torch.export + AOTInductor packages cached under compile_cache_dir, default
     ~/.cache/mtpkit/aot: a warm start loads them), or "aot-tuned" (the same packages compiled with
-    frozen weights and max-autotune's C++ GEMMs: minutes per graph cold, cached alike). None (default): TorchScript traces replay, so
-    an engine starts in seconds. compile_after None: graphs.compiled.COMPILE_AFTER.
+    frozen weights and max-autotune's C++ GEMMs: minutes per graph cold, cached alike). None
+    (default): TorchScript traces replay, so an engine starts in seconds. compile_after None: graphs.compiled.COMPILE_AFTER.
     """
 
     num_spec: int = 0

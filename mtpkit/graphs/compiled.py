@@ -12,6 +12,8 @@ Modes (benchmarks/compile_modes.py measures them; docs/performance.md has the ta
   ~/.cache/mtpkit/aot), named by a hash of the model (its weights, their layout, its modules' repr),
   mtpkit's source, the torch version and the graph (name, argument shapes): no dynamo guards and no
   Python wrapper at replay; a warm start only loads the packages.
+- "aot-tuned": those packages compiled with "freeze"'s settings (frozen weights, max-autotune's C++
+  GEMM template): "freeze"'s fast matmuls without dynamo, cached alike; minutes per graph cold.
 The cache tensors are arguments of every graph (CapturedSteps._flat), never constants: they change
 between replays. The weights are constants in "freeze" and "aot" only, which is sound because
 nothing writes a model's weights after load (tests/test_compiled.py checks the hash is stable
@@ -200,9 +202,9 @@ def _inductor_options(freeze: bool) -> dict:
 
 
 def _aot_options(mode: str) -> dict:
-    if mode != "aot-tuned":
-        return {}
-    return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+    """AOTInductor's settings: "aot-tuned" those of "freeze" (the weights are constants of a package
+    either way; freezing lets the C++ GEMM template pack them)."""
+    return _inductor_options(freeze=mode == "aot-tuned")
 
 
 def _inductor_lazy(fn, name: str, freeze: bool):
