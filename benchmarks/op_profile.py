@@ -52,7 +52,7 @@ def traced_graphs(model: str, batch: int, num_spec: int) -> dict:
     args = g._verify_args(n)
     out = {"verify": (g.verify_graphs[key], args)}
     if num_spec and g.propose_graphs.get(key) is not None:
-        hidden, _ = g.verify_graphs[key](*args)
+        hidden = g.verify_graphs[key](*args)[0]   # (hidden, logits, greedy outcome)
         out["propose"] = (g.propose_graphs[key], g._propose_args(n, hidden))
     out["_llm"] = llm     # kept alive: the buffers belong to it
     return out

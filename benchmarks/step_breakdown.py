@@ -66,6 +66,7 @@ from bench_cpu import heldout_prompts  # noqa: E402
 import mtpkit.llm as llm_module  # noqa: E402
 import mtpkit.engine.runner as runner_module  # noqa: E402
 from mtpkit import LLM, SamplingParams  # noqa: E402
+from mtpkit.engine.args import COMPILE_MODES  # noqa: E402
 from mtpkit.engine.engine import Engine  # noqa: E402
 from mtpkit.engine.runner import ModelRunner  # noqa: E402
 from mtpkit.engine.scheduler import Scheduler  # noqa: E402
@@ -279,9 +280,10 @@ class Config:
     model: str
     batch: int
     num_spec: int
+    compile: str | None = None      # LLM(compile=...): the graphs compiled (in the warm-up), else traced
 
     def __str__(self) -> str:
-        return f"{self.model} batch {self.batch} num_spec {self.num_spec}"
+        return f"{self.model} batch {self.batch} num_spec {self.num_spec}" + (f" {self.compile}" if self.compile else "")
 
 
 @dataclasses.dataclass
@@ -337,8 +339,9 @@ class Breakdown:
 
 
 def build(config: Config, max_num_seqs: int) -> LLM:
-    llm = LLM(config.model, num_spec=config.num_spec, dtype="float32", max_num_seqs=max_num_seqs, num_threads=1)
-    llm.runner.graphs.trace_after = 0   # long-lived engine: CPU graphs traced on first use
+    kw = {} if config.compile is None else dict(compile=config.compile, compile_after=0)
+    llm = LLM(config.model, num_spec=config.num_spec, dtype="float32", max_num_seqs=max_num_seqs, num_threads=1, **kw)
+    llm.runner.graphs.trace_after = 0   # long-lived engine: CPU graphs traced (and compiled) on first use
     return llm
 
 
@@ -460,7 +463,7 @@ def table(results: list[Breakdown]) -> str:
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for b in results:
         c = b.config
-        cells = [c.model, str(c.batch), str(c.num_spec), f"{b.ms_per_step:.3f}", f"{b.tokens_per_step:.2f}",
+        cells = [c.model + (f" {c.compile}" if c.compile else ""), str(c.batch), str(c.num_spec), f"{b.ms_per_step:.3f}", f"{b.tokens_per_step:.2f}",
                  f"{100 * b.graphs_ms / b.ms_per_step:.1f}%"] + [f"{100 * b.share(p):.1f}" for p in HOST_PHASES] + [
                      f"**{100 * b.host_share:.1f}%**"]
         rows.append("| " + " | ".join(cells) + " |")
@@ -474,7 +477,8 @@ def goal_lines(results: list[Breakdown]) -> list[str]:
             continue
         met = "met" if b.host_share <= GOAL else "not met"
         nostop = (b.host_ms - b.phase_ms["stop checks"]) / (b.ms_per_step - b.phase_ms["stop checks"])
-        out.append(f"goal: host work <= {100 * GOAL:.0f}% of a steady-state step at batch 1: {b.config.model} "
+        out.append(f"goal: host work <= {100 * GOAL:.0f}% of a steady-state step at batch 1: {b.config.model}"
+                   f"{' ' + b.config.compile if b.config.compile else ''} "
                    f"num_spec {b.config.num_spec}: {100 * b.host_share:.1f}% ({met}; without the stop-string checks "
                    f"{100 * nostop:.1f}%)")
     return out
@@ -580,6 +584,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--compile", choices=COMPILE_MODES, nargs="+", default=[],
+                   help="also these LLM(compile=...) modes: each configuration once traced and once per mode "
+                        "(graphs compiled in the warm-up; aot packages come from their cache when warm)")
     p.add_argument("--no-stop", action="store_true", help="no stop string (the stop checks do not run)")
     p.add_argument("--profile", action="store_true", help="cProfile one configuration instead")
     p.add_argument("--model", default="tiny-qwen3-next", help="--profile: the model")
@@ -589,10 +596,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     stop = not args.no_stop
     if args.profile:
-        profile(Config(args.model, args.batch, args.num_spec), prompts=args.prompts, prompt_len=args.prompt_len,
+        profile(Config(args.model, args.batch, args.num_spec, (args.compile or [None])[0]), prompts=args.prompts, prompt_len=args.prompt_len,
                 max_tokens=args.max_tokens, rounds=args.rounds, top=args.top, stop=stop)
         return 0
-    configs = [Config(m, b, k) for m in args.models for b in args.batches for k in args.specs]
+    configs = [Config(m, b, k, mode) for m in args.models for b in args.batches for k in args.specs
+               for mode in [None, *args.compile]]
     print(f"step breakdown: {args.prompts} held-out prompts of {args.prompt_len} tokens x {args.max_tokens} tokens "
           f"per run, greedy, float32, 1 thread, stop string {'on (never matches)' if stop else 'off'}; "
           f"{args.rounds} timed rounds after a warm-up, each running every configuration once")

@@ -11,6 +11,7 @@ benchmarks/compile_modes.py checks every mode's tokens on both embedded models, 
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,3 +149,20 @@ def test_default_is_the_trace(qwen):
     assert llm.runner.graphs.compiler is None
     assert "compiled" not in llm.runner.graphs.describe()
     assert torch.jit.is_tracing() is False
+
+
+def test_package_names_hash_the_code_graphs_run():
+    """A package's name hashes every source file a step body can run (models, layers, kernels,
+    the drafters, step data, sampling, the captured bodies) and leaves out host-only files, so
+    that editing the engine loop or the front ends keeps the cache warm."""
+    from mtpkit.graphs.compiled import identity_sources
+    src = Path(compiled.__file__).resolve().parents[1]
+    names = {f.relative_to(src).as_posix() for f in identity_sources()}
+    for graph_code in ("models/qwen3_next/model.py", "models/gemma4/model.py", "layers/moe.py", "kernels/gdn.py",
+                       "speculative/mtp.py", "speculative/gemma4_assistant.py", "step/metadata.py",
+                       "sampling/rejection.py", "sampling/controls.py", "graphs/captured.py",
+                       "graphs/specialize.py", "engine/step_bodies.py", "shapes.py"):
+        assert graph_code in names, graph_code
+    for host in ("engine/runner.py", "engine/scheduler.py", "llm.py", "text/detokenize.py", "graphs/compiled.py",
+                 "serve/app.py", "notebook/view.py"):
+        assert host not in names, host

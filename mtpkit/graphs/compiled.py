@@ -10,7 +10,7 @@ Modes (benchmarks/compile_modes.py measures them; docs/performance.md has the ta
   minutes of compilation per graph and not served by inductor's caches.
 - "aot": torch.export + AOTInductor, one package per graph on disk (`cache_dir`, default
   ~/.cache/mtpkit/aot), named by a hash of the model (its weights, their layout, its modules' repr),
-  mtpkit's source, the torch version and the graph (name, argument shapes): no dynamo guards and no
+  the mtpkit source a graph can run (`identity_sources`), the torch version and the graph (name, argument shapes): no dynamo guards and no
   Python wrapper at replay; a warm start only loads the packages.
 - "aot-tuned": those packages compiled with "freeze"'s settings (frozen weights, max-autotune's C++
   GEMM template): "freeze"'s fast matmuls without dynamo, cached alike; minutes per graph cold.
@@ -26,6 +26,7 @@ A graph whose compilation fails keeps its trace (with a warning).
 
 import dataclasses
 import hashlib
+import inspect
 import os
 import time
 import types
@@ -98,7 +99,7 @@ class Compiler:
     # ---- AOTInductor packages -------------------------------------------------------------
     def identity(self) -> str:
         """The model's part of a package name: its weights (values, shapes, dtypes, strides), the
-        repr of its modules (their sizes and settings), mtpkit's source and torch's version."""
+        repr of its modules (their sizes and settings), the mtpkit source a graph runs and torch's version."""
         if self._identity is None:
             self._identity = model_identity(self.modules)
         return self._identity
@@ -254,24 +255,58 @@ class _Body(torch.nn.Module):
 
 
 class _AOTGraph:
-    """A loaded AOTInductor package: called with the graph's flat arguments."""
+    """A loaded AOTInductor package: called with the graph's flat arguments. The package's own
+    __call__ parses its input and output specs (JSON) and flattens the arguments through pytree
+    at every call, host work that cost about as much as a small graph's replay; a graph's
+    arguments are flat tensors already, so its loader runs them directly, and the outputs are
+    rebuilt by the output spec parsed once."""
 
     def __init__(self, runner):
         self.runner = runner
+        loader = getattr(runner, "loader", None)
+        self._run = None
+        if loader is not None and hasattr(loader, "boxed_run") and hasattr(loader, "get_call_spec"):
+            from torch.utils import _pytree as pytree
+            out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
+            self._run, self._out_spec, self._unflatten = loader.boxed_run, out_spec, pytree.tree_unflatten
 
     def __call__(self, *args):
-        return self.runner(*args)
+        if self._run is None:
+            return self.runner(*args)
+        return self._unflatten(self._run(list(args)), self._out_spec)
+
+
+# mtpkit's files no compiled graph runs (host work around the steps: the engine loop, text, the
+# front ends, structured outputs' eager masks, this module, hashed by its compiling parts): an edit
+# there leaves every package valid. The step bodies sit in engine/ but are the graphs' code.
+HOST_ONLY = ("engine/", "text/", "notebook/", "serve/", "structured/", "llm.py", "cli.py", "display.py",
+             "__main__.py", "graphs/compiled.py")
+GRAPH_CODE_IN_HOST_DIRS = ("engine/step_bodies.py",)
+
+
+def identity_sources() -> list[Path]:
+    """The source files a package's name hashes: every mtpkit file a step body can run."""
+    src = Path(__file__).resolve().parents[1]
+    out = []
+    for f in sorted(src.rglob("*.py")):
+        rel = f.relative_to(src).as_posix()
+        if rel in GRAPH_CODE_IN_HOST_DIRS or not rel.startswith(HOST_ONLY):
+            out.append(f)
+    return out
 
 
 def model_identity(modules: list[torch.nn.Module]) -> str:
     """A hash of everything an "aot" package bakes in besides its graph: the modules' weights
-    (bytes, shapes, dtypes, strides) and buffers, their repr, mtpkit's source and torch's version."""
+    (bytes, shapes, dtypes, strides) and buffers, their repr, the mtpkit source a graph runs
+    (identity_sources: the host-only files are left out, so editing them keeps every package) and torch's version."""
     h = hashlib.blake2b(digest_size=16)
     h.update(torch.__version__.encode())
     src = Path(__file__).resolve().parents[1]
-    for f in sorted(src.rglob("*.py")):
+    for f in identity_sources():
         h.update(f.relative_to(src).as_posix().encode())
         h.update(f.read_bytes())
+    for part in (_Body, _aot_options, _inductor_options, Compiler._aot):   # this module's share of a package
+        h.update(inspect.getsource(part).encode())
     seen: set[int] = set()
     for m in modules:
         h.update(repr(m).encode())
