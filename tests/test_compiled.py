@@ -166,3 +166,54 @@ def test_package_names_hash_the_code_graphs_run():
     for host in ("engine/runner.py", "engine/scheduler.py", "llm.py", "text/detokenize.py", "graphs/compiled.py",
                  "serve/app.py", "notebook/view.py"):
         assert host not in names, host
+
+
+# ---- every num_spec and batch size, both families ------------------------------------------
+# (num_spec, batch): compiled tokens == eager tokens. CI runs a subset under dynamo's capture
+# ("aot_eager"; 10-30 s a case here, so three: both batch sizes and both families, num_spec 0, 2
+# and 4, with num_spec 3 above); the whole cross, 0..4 x {1, 8} x both families, runs under
+# inductor for real with MTPKIT_TEST_COMPILE=1.
+MATRIX = [(k, b) for k in range(5) for b in (1, 8)]
+CI_MATRIX = {"qwen": [(0, 8), (4, 1)], "gemma4": [(2, 8)]}
+MATRIX_SP = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gemma4_pair(tmp_path_factory):
+    import gemma4_assistant_oracle as A
+    d = tmp_path_factory.mktemp("compiled") / "gemma4_pair"
+    A.save(A.build_target("dense", 5), d / "target")
+    A.save(A.build_assistant("dense", 5), d / "assistant")
+    return d / "target", d / "assistant"
+
+
+def _matrix_case(family, k, batch, qwen, gemma4_pair, mode):
+    if family == "qwen":
+        path, kw, vocab = qwen, {}, 128
+    else:
+        path, kw, vocab = gemma4_pair[0], ({"draft_model": gemma4_pair[1]} if k else {}), 128
+    prompts = [oracle.random_prompt(5 + 3 * i, vocab, seed=70 + i) for i in range(batch)]
+    base = dict(F64, max_num_seqs=batch, num_spec=k, **kw)
+    eager = [o.token_ids for o in LLM(path, enforce_eager=True, **base).generate(prompts, MATRIX_SP)]
+    llm = LLM(path, compile=mode, compile_after=0, **base)
+    llm.runner.graphs.trace_after = 0
+    out = [o.token_ids for o in llm.generate(prompts, MATRIX_SP)]
+    assert out == eager, f"{family} num_spec={k} batch={batch} compiled ({mode}) != eager"
+    names = _compiled_names(llm)
+    assert any(n.startswith("verify_") for n in names), names
+    assert k == 0 or any(n.startswith("propose_") for n in names), names
+    return names
+
+
+@pytest.mark.parametrize("family,k,batch", [(f, k, b) for f, cases in CI_MATRIX.items() for k, b in cases])
+def test_compiled_equals_eager_across_num_spec_and_batch(family, k, batch, qwen, gemma4_pair, dynamo_only):
+    names = _matrix_case(family, k, batch, qwen, gemma4_pair, "inductor")
+    if batch == 8:   # the 8 prompts run as one batch: graph size 8
+        assert any(n.startswith("verify_8_") for n in names), names
+
+
+@REAL
+@pytest.mark.parametrize("family", ["qwen", "gemma4"])
+@pytest.mark.parametrize("k,batch", MATRIX)
+def test_compiled_matrix_for_real(family, k, batch, qwen, gemma4_pair):
+    _matrix_case(family, k, batch, qwen, gemma4_pair, "inductor")
