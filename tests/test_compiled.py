@@ -217,3 +217,35 @@ def test_compiled_equals_eager_across_num_spec_and_batch(family, k, batch, qwen,
 @pytest.mark.parametrize("k,batch", MATRIX)
 def test_compiled_matrix_for_real(family, k, batch, qwen, gemma4_pair):
     _matrix_case(family, k, batch, qwen, gemma4_pair, "inductor")
+
+
+# ---- what a compiled graph runs differently -------------------------------------------------
+def test_compiled_forms_equal_the_eager_ones(monkeypatch):
+    """Under compilation the sparse experts are written as multiply + sum (inductor fuses the
+    gather into the reduction) and cache rows are written by index_put_ (which inductor writes
+    in place): the same values as the eager forms."""
+    from mtpkit.kernels.moe_experts import moe_experts
+    from mtpkit.kernels.rows import put_rows_
+    g = torch.Generator().manual_seed(0)
+    T, K, E, H, I = 3, 2, 8, 16, 12
+    x = torch.randn(T, H, generator=g, dtype=torch.float64)
+    w13 = torch.randn(E, 2 * I, H, generator=g, dtype=torch.float64)
+    down = torch.randn(E, I, H, generator=g, dtype=torch.float64)
+    experts = torch.tensor([[1, 5], [5, 0], [7, 7]])
+    weights = torch.rand(T, K, generator=g, dtype=torch.float64)
+    eager = moe_experts(x, w13, down, experts, weights)
+    dst, idx, src = torch.zeros(6, 2, 3), torch.tensor([4, 1]), torch.randn(2, 2, 3, generator=g)
+    want = dst.clone().index_copy_(0, idx, src)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    torch.testing.assert_close(moe_experts(x, w13, down, experts, weights), eager, rtol=1e-12, atol=1e-12)
+    assert torch.equal(put_rows_(dst, idx, src), want)
+
+
+def test_compiled_one_token_steps_gather_their_experts(monkeypatch):
+    """A compiled one-token step (a drafter's pass, a decode step) takes the sparse path at top 2
+    of 8 experts; a bundle of 4 tokens and any traced or eager step stay dense."""
+    moe = SparseMoE.__new__(SparseMoE)
+    moe.num_experts, moe.num_local, moe.topk, moe.fp8, moe.ops = 8, 8, 2, None, None
+    assert [moe._path(t) for t in (1, 4)] == ["dense", "dense"]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert [moe._path(t) for t in (1, 2, 4)] == ["sparse", "sparse", "dense"]

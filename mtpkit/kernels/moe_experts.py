@@ -20,6 +20,14 @@ def moe_experts(x: Float[Tensor, "num_tokens hidden"], w13: Float[Tensor, "exper
                 weights: Float[Tensor, "num_tokens topk"], act: str = "silu") -> Float[Tensor, "num_tokens hidden"]:
     T, K = experts.shape
     local = experts.flatten()
+    if torch.compiler.is_compiling():
+        # Compiled (inductor): products written as multiply + sum, which inductor fuses with the
+        # gather into one reduction reading each chosen expert's rows in place (a batched
+        # matmul on gathered blocks would copy them first, then call the BLAS).
+        gu = (w13.index_select(0, local) * x.repeat_interleave(K, dim=0)[:, None, :]).sum(-1)   # [T*K, 2I]
+        g, u = gu.chunk(2, dim=1)
+        a = ACTIVATIONS[act](g) * u * weights.reshape(T * K, 1)                                  # [T*K, I]
+        return (a[:, :, None] * w_down.index_select(0, local)).sum(1).view(T, K, -1).sum(1)
     xs = x.repeat_interleave(K, dim=0)[:, :, None]                              # [T*K, H, 1]
     g, u = torch.matmul(w13.index_select(0, local), xs).chunk(2, dim=1)        # [T*K, I, 1]
     a = ACTIVATIONS[act](g) * u * weights.reshape(T * K, 1, 1)

@@ -173,6 +173,11 @@ class SparseMoE(nn.Module):
     # with few experts the dense path is faster even for one token; with hundreds of experts
     # a decode step reads a hundredth of the weights.
     sparse_share: int = 8
+    # In a compiled graph (LLM(compile=...)) the gather costs no copy: the chosen experts' rows
+    # are read in place by the fused product (kernels/moe_experts.py), so the sparse path pays
+    # whenever its pairs touch at most half the experts: a one-token pass reads a quarter of
+    # the expert weights at top 2 of 8, which a memory-bound decode step is paid for.
+    compiled_sparse_share: int = 2
     # The experts' activation, by name (elementwise.ACTIVATIONS; Gemma 4's experts use
     # gelu_tanh): the fused kernel takes the name, the torch paths `activation`.
     act: str = "silu"
@@ -241,7 +246,8 @@ class SparseMoE(nn.Module):
         fused = self.fp8 is None and self.ops is not None and self.ops.fused_moe
         if not capturing and T * self.num_experts > self.dense_limit:
             return "grouped"
-        if fused or T * self.topk * self.sparse_share <= self.num_local:
+        share = self.compiled_sparse_share if torch.compiler.is_compiling() else self.sparse_share
+        if fused or T * self.topk * share <= self.num_local:
             return "sparse"
         return "dense"
 
