@@ -221,11 +221,9 @@ def test_compiled_matrix_for_real(family, k, batch, qwen, gemma4_pair):
 
 # ---- what a compiled graph runs differently -------------------------------------------------
 def test_compiled_forms_equal_the_eager_ones(monkeypatch):
-    """Under compilation the sparse experts are written as multiply + sum (inductor fuses the
-    gather into the reduction) and cache rows are written by index_put_ (which inductor writes
-    in place): the same values as the eager forms."""
+    """Under compilation the sparse experts are written as multiply + sum (fused loops in
+    inductor's code): the same values as the eager form."""
     from mtpkit.kernels.moe_experts import moe_experts
-    from mtpkit.kernels.rows import put_rows_
     g = torch.Generator().manual_seed(0)
     T, K, E, H, I = 3, 2, 8, 16, 12
     x = torch.randn(T, H, generator=g, dtype=torch.float64)
@@ -234,11 +232,8 @@ def test_compiled_forms_equal_the_eager_ones(monkeypatch):
     experts = torch.tensor([[1, 5], [5, 0], [7, 7]])
     weights = torch.rand(T, K, generator=g, dtype=torch.float64)
     eager = moe_experts(x, w13, down, experts, weights)
-    dst, idx, src = torch.zeros(6, 2, 3), torch.tensor([4, 1]), torch.randn(2, 2, 3, generator=g)
-    want = dst.clone().index_copy_(0, idx, src)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     torch.testing.assert_close(moe_experts(x, w13, down, experts, weights), eager, rtol=1e-12, atol=1e-12)
-    assert torch.equal(put_rows_(dst, idx, src), want)
 
 
 def test_compiled_one_token_steps_gather_their_experts(monkeypatch):

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from mtpkit.kernels.rows import put_rows_
 from mtpkit.shapes import Bool, Float, Int, Tensor, checked
 from mtpkit.step.metadata import StateSnapshots
 
@@ -299,9 +298,9 @@ def gated_delta_rule_verify(
     if B == 1:   # a decode step: the state updated in place, written once
         state.mul_(decay[0])
         state.addcmul_(k_col[0], beta[0] * (vs[0] - k_row[0] @ state))
-        put_rows_(ssm_state, state_slots[:, 0], _as(state.view(R, HV, DK, DV), ssm_state.dtype))
+        ssm_state.index_copy_(0, state_slots[:, 0], _as(state.view(R, HV, DK, DV), ssm_state.dtype))
         return _as((q_row[0] @ state).view(R, B, HV, DV), v.dtype)
-    # A bundle: every token's state kept, then all of them written by one put_rows_ (a
+    # A bundle: every token's state kept, then all of them written by one index_copy_ (a
     # request's bundle slots are distinct) and every output read by one batched matmul:
     # 5 ops per token instead of 8, the same arithmetic per element.
     states = []
@@ -311,6 +310,6 @@ def gated_delta_rule_verify(
         state = torch.addcmul(state, k_col[t], beta[t] * (vs[t] - k_row[t] @ state))
         states.append(state)
     states = torch.stack(states, 1)                                       # [R, B, HK, r, DK, DV]
-    put_rows_(ssm_state, state_slots.flatten(), _as(states.view(R * B, HV, DK, DV), ssm_state.dtype))
+    ssm_state.index_copy_(0, state_slots.flatten(), _as(states.view(R * B, HV, DK, DV), ssm_state.dtype))
     out = q.view(R, B, HK, 1, 1, DK) @ states                              # [R, B, HK, r, 1, DV]
     return _as(out.view(R, B, HV, DV), v.dtype)

@@ -21,9 +21,9 @@ def moe_experts(x: Float[Tensor, "num_tokens hidden"], w13: Float[Tensor, "exper
     T, K = experts.shape
     local = experts.flatten()
     if torch.compiler.is_compiling():
-        # Compiled (inductor): products written as multiply + sum, which inductor fuses with the
-        # gather into one reduction reading each chosen expert's rows in place (a batched
-        # matmul on gathered blocks would copy them first, then call the BLAS).
+        # Compiled (inductor): the products written as multiply + sum, which inductor generates as
+        # fused C++ loops over the chosen experts' rows, where batched matmuls would call the
+        # BLAS on gathered copies (measured: docs/performance.md, "Inside the aot-tuned graphs").
         gu = (w13.index_select(0, local) * x.repeat_interleave(K, dim=0)[:, None, :]).sum(-1)   # [T*K, 2I]
         g, u = gu.chunk(2, dim=1)
         a = ACTIVATIONS[act](g) * u * weights.reshape(T * K, 1)                                  # [T*K, I]

@@ -17,7 +17,6 @@ Scores and softmax run in fp32 (fp64 for fp64 inputs); the output is cast to q's
 import torch
 import torch.nn.functional as F
 
-from mtpkit.kernels.rows import put_rows_
 from mtpkit.shapes import Float, Int, Tensor, checked
 
 __all__ = ["write_kv", "paged_attention_prefill", "paged_attention_verify"]
@@ -36,7 +35,7 @@ def write_kv(
     for x, cache in ((k, k_cache), (v, v_cache)):
         x = x if x.dtype == cache.dtype else x.to(cache.dtype)
         if cache.is_contiguous():  # slot id = row of the flattened pool
-            put_rows_(cache.view(-1, *cache.shape[2:]), slot_mapping, x)
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x)
         else:
             block_size = cache.shape[1]
             cache[slot_mapping // block_size, slot_mapping % block_size] = x
