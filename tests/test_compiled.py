@@ -189,10 +189,10 @@ def gemma4_pair(tmp_path_factory):
 
 def _matrix_case(family, k, batch, qwen, gemma4_pair, mode):
     if family == "qwen":
-        path, kw, vocab = qwen, {}, 128
+        path, kw = qwen, {}
     else:
-        path, kw, vocab = gemma4_pair[0], ({"draft_model": gemma4_pair[1]} if k else {}), 128
-    prompts = [oracle.random_prompt(5 + 3 * i, vocab, seed=70 + i) for i in range(batch)]
+        path, kw = gemma4_pair[0], ({"draft_model": gemma4_pair[1]} if k else {})
+    prompts = [oracle.random_prompt(5 + 3 * i, 128, seed=70 + i) for i in range(batch)]   # both vocabularies >= 128
     base = dict(F64, max_num_seqs=batch, num_spec=k, **kw)
     eager = [o.token_ids for o in LLM(path, enforce_eager=True, **base).generate(prompts, MATRIX_SP)]
     llm = LLM(path, compile=mode, compile_after=0, **base)

@@ -173,10 +173,10 @@ class SparseMoE(nn.Module):
     # with few experts the dense path is faster even for one token; with hundreds of experts
     # a decode step reads a hundredth of the weights.
     sparse_share: int = 8
-    # In a compiled graph (LLM(compile=...)) the gather costs no copy: the chosen experts' rows
-    # are read in place by the fused product (kernels/moe_experts.py), so the sparse path pays
-    # whenever its pairs touch at most half the experts: a one-token pass reads a quarter of
-    # the expert weights at top 2 of 8, which a memory-bound decode step is paid for.
+    # In a compiled graph (LLM(compile=...)) the gathered experts' products are fused C++ loops
+    # (kernels/moe_experts.py), not BLAS calls on copied blocks, so the sparse path pays once its
+    # pairs touch at most half the experts: a one-token pass at top 2 of 8 reads a quarter of the
+    # expert weights, which a memory-bound decode step is paid for (docs/performance.md).
     compiled_sparse_share: int = 2
     # The experts' activation, by name (elementwise.ACTIVATIONS; Gemma 4's experts use
     # gelu_tanh): the fused kernel takes the name, the torch paths `activation`.
