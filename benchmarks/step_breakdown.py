@@ -499,8 +499,9 @@ def _where(key) -> str:
 
 class VerifyStepProfiler:
     """cProfile switched on for verify steps only: on when Scheduler.schedule returns a verify
-    plan, off when the next step begins (LLM.step) or a stream ends; so a verify step's profile
-    holds everything after its schedule call, the stream's handling of its events included."""
+    plan, off when the next step begins (Engine._step, which LLM.step and a stream's
+    Engine.advance both run) or a stream ends; so a verify step's profile holds everything after
+    its schedule call, the stream's handling of its events included."""
 
     def __init__(self):
         self.prof, self.on, self.steps, self.seconds, self.since = cProfile.Profile(), False, 0, 0.0, 0.0
@@ -517,18 +518,18 @@ class VerifyStepProfiler:
             self.on = False
 
     def patches(self) -> list[tuple[object, str, object]]:
-        step, schedule = llm_module.LLM.step, Scheduler.schedule
+        step, schedule = Engine.__dict__["_step"], Scheduler.schedule
 
-        def step_call(llm):
+        def step_call(engine):
             self.stop()
-            return step(llm)
+            return step(engine)
 
         def schedule_call(sched):
             plan = schedule(sched)
             if plan is not None and plan.kind.value == "verify":
                 self.start()
             return plan
-        return [(llm_module.LLM, "step", step_call), (Scheduler, "schedule", schedule_call)]
+        return [(Engine, "_step", step_call), (Scheduler, "schedule", schedule_call)]
 
 
 def profile(config: Config, *, prompts: int, prompt_len: int, max_tokens: int, rounds: int, top: int,
