@@ -51,7 +51,7 @@ def _gather_kv(k_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"]
     masks them), so the gather never touches storage the request does not own or has not
     written, which may hold anything (even NaN: 0 * NaN would leak through the softmax
     product)."""
-    return _gather_slots(k_cache, v_cache, context_slots(block_table, seq_lens - 1, k_cache.shape[1], ctx_len))
+    return gather_slots(k_cache, v_cache, context_slots(block_table, seq_lens - 1, k_cache.shape[1], ctx_len))
 
 
 def context_slots(block_table: Int[Tensor, "num_reqs max_blocks"], last_pos: Int[Tensor, "num_reqs"],
@@ -80,7 +80,7 @@ def _gather_window(k_cache: Float[Tensor, "num_blocks block_size kv_heads head_d
     pos = torch.minimum(k_pos, last[:, None])
     bs = k_cache.shape[1]
     slots = block_table.gather(1, pos // bs) * bs + pos % bs
-    kk, vv = _gather_slots(k_cache, v_cache, slots)
+    kk, vv = gather_slots(k_cache, v_cache, slots)
     return kk, vv, k_pos
 
 
@@ -91,12 +91,14 @@ def window_start(first_query: Int[Tensor, "num_reqs"], sliding_window: int | Non
     return (first_query - (sliding_window - 1)).clamp(min=0)
 
 
-def _gather_slots(k_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
+def gather_slots(k_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
                   v_cache: Float[Tensor, "num_blocks block_size kv_heads head_dim"],
                   slots: Int[Tensor, "num_reqs ctx_len"]
                   ) -> tuple[Float[Tensor, "num_reqs ctx_len kv_heads head_dim"],
                              Float[Tensor, "num_reqs ctx_len kv_heads head_dim"]]:
-    flat = slots.view(-1)
+    """Dense K and V at the cache slots `slots` (each row's slot of every context position).
+    Not checked itself (every torch attention call makes one): its callers at the boundaries are."""
+    flat = slots.reshape(-1)
     # One flat gather (index_select) instead of 2-D advanced indexing: cheaper per call.
     kk = k_cache.reshape(-1, *k_cache.shape[2:]).index_select(0, flat)
     vv = v_cache.reshape(-1, *v_cache.shape[2:]).index_select(0, flat)
@@ -215,6 +217,6 @@ def paged_attention_verify(
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 0
         kv_slots, kv_pos = verify_gather(block_table, seq_lens, bundle, k_cache.shape[1], max_seq_len, sliding_window)
-    kk, vv = _gather_slots(k_cache, v_cache, kv_slots)
+    kk, vv = gather_slots(k_cache, v_cache, kv_slots)
     q_pos = seq_lens[:, None] - bundle + torch.arange(bundle, device=q.device)
     return _attend(q, kk, vv, q_pos, scale, sliding_window, softcap, kv_pos)

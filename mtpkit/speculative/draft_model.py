@@ -16,7 +16,9 @@ from mtpkit.step.cache import CacheTensors
 from mtpkit.errors import ConfigError
 from mtpkit.shapes import Int, Tensor, checked
 from mtpkit.step.draft import DraftInputs, Drafter
-from mtpkit.speculative.drafter import DraftSetup, draft_argmax, draft_pass_metadata, proposal_kv_slots
+from mtpkit.speculative.drafter import (DraftSetup, clamped_slots, draft_argmax, draft_pass_metadata,
+                                        proposal_kv_slots, scratch_cache, scratch_pass_metadata, scratch_slots,
+                                        uses_scratch)
 
 PREFIX = "draft."
 
@@ -62,9 +64,18 @@ class DraftModelDrafter(Drafter):
         kv_slots = proposal_kv_slots(inp.block_tables, pos, self.num_spec, self.block_size, inp.max_seq_len,
                                      cache.pool_windows)
         token, drafts = inp.next_tokens[inp.last_idx], []
+        # On the torch backend the passes run against a scratch copy of the context up to the
+        # last accepted position (`scratch_cache`), which the step above has written.
+        scratch = uses_scratch(self.model.ops)
+        if scratch:
+            written = clamped_slots(kv_slots, pos - 1)
+            pass_cache, slots = scratch_cache(own, written, tuple(own.kv)), scratch_slots(written)
         for j in range(self.num_spec):
-            meta = draft_pass_metadata(kv_slots, inp.block_tables, pos + j)
-            logits = self.model.compute_logits(self.model(token, pos + j, meta, own))
+            if scratch:
+                meta = scratch_pass_metadata(slots, pos + j)
+            else:
+                meta, pass_cache = draft_pass_metadata(kv_slots, inp.block_tables, pos + j), own
+            logits = self.model.compute_logits(self.model(token, pos + j, meta, pass_cache))
             token = draft_argmax(logits, inp, j, token if j else None)
             drafts.append(token)
         return torch.stack(drafts, dim=1)

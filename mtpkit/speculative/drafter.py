@@ -1,5 +1,6 @@
 """What a drafter declares before any weight is read (`DraftSetup`), and the helpers of its
-one-token passes (`proposal_kv_slots`, `draft_pass_metadata`) and their argmax under the
+one-token passes (`proposal_kv_slots`, `draft_pass_metadata`; on the torch backend the passes
+run against a dense `scratch_cache` instead: `uses_scratch`) and their argmax under the
 grammar masks of constrained rows (`pass_mask`, `draft_argmax`: every drafter's passes go
 through them). The run-time interface (`DraftInputs`, `Drafter`) is step data:
 mtpkit/step/draft.py.
@@ -10,9 +11,10 @@ from typing import Callable
 
 import torch
 
-from mtpkit.kernels.paged import context_slots, window_start
+from mtpkit.kernels.paged import context_slots, gather_slots, window_start
 from mtpkit.sampling.bitmask import DraftMask
 from mtpkit.shapes import Float, Int, Tensor, checked
+from mtpkit.step.cache import CacheTensors
 from mtpkit.step.cache_spec import CacheSpec
 from mtpkit.step.metadata import UniformMetadata, uniform_metadata
 from mtpkit.step.draft import DraftInputs, Drafter
@@ -71,17 +73,80 @@ def draft_pass_metadata(
     masked softmax. Padded rows sit in the null block."""
     P, R, ctx = kv_slots.shape
     own = kv_slots.gather(2, positions[None, :, None].expand(P, R, 1))                  # [P, R, 1]
-    past = torch.arange(ctx, device=positions.device)[None, None, :] > positions[None, :, None]
+    return _one_token_metadata(positions, block_tables, own[:, :, 0], clamped_slots(kv_slots, positions, own))
+
+
+def _one_token_metadata(positions: Int[Tensor, "num_reqs_padded"],
+                        block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"],
+                        slot_mappings: Int[Tensor, "kv_pools num_reqs_padded"],
+                        kv_slots: Int[Tensor, "kv_pools num_reqs_padded ctx_len"]) -> UniformMetadata:
+    R = positions.shape[0]
     return uniform_metadata(
         seq_lens=positions + 1,
         block_tables=block_tables,
-        slot_mappings=own[:, :, 0],
+        slot_mappings=slot_mappings,
         state_slots=torch.zeros(R, 1, dtype=torch.int64, device=positions.device),
         prev_num_emitted=torch.ones(R, dtype=torch.int64, device=positions.device),
         q_len=1,
-        max_seq_len=ctx,
-        kv_slots=torch.where(past, own, kv_slots),
+        max_seq_len=kv_slots.shape[2],
+        kv_slots=kv_slots,
     )
+
+
+def clamped_slots(kv_slots: Int[Tensor, "kv_pools num_reqs_padded ctx_len"], positions: Int[Tensor, "num_reqs_padded"],
+                  own: Int[Tensor, "kv_pools num_reqs_padded 1"] | None = None
+                  ) -> Int[Tensor, "kv_pools num_reqs_padded ctx_len"]:
+    """kv_slots with every position past `positions` reading that position's slot (`own`)."""
+    P, R, ctx = kv_slots.shape
+    if own is None:
+        own = kv_slots.gather(2, positions[None, :, None].expand(P, R, 1))
+    past = torch.arange(ctx, device=positions.device)[None, None, :] > positions[None, :, None]
+    return torch.where(past, own, kv_slots)
+
+
+def uses_scratch(ops) -> bool:
+    """Whether a proposal's one-token passes run against a `scratch_cache`: on a backend whose
+    attention gathers each row's K/V densely through kv_slots (torch, `Ops.verify_gather`), where
+    gathering once per proposal costs less than once per pass, and a compiled graph then writes each
+    paged cache once (AOTInductor writes a graph input in place only when the graph writes it
+    once, and copies the whole cache otherwise: benchmarks/aot_cache_writes.py). A Triton kernel
+    reads the pages, and CUDA graphs write in place."""
+    return ops.verify_gather is not None
+
+
+@checked
+def scratch_cache(cache: CacheTensors, kv_slots: Int[Tensor, "kv_pools num_reqs_padded ctx_len"],
+                  groups: tuple[str, ...]) -> CacheTensors:
+    """The caches of a proposal's one-token passes (the KV `groups` they run): each layer's K/V of every row's context
+    positions 0..ctx_len-1, gathered once through `kv_slots` (after the step's own K/V are
+    written; later positions clamped to a written one: `clamped_slots`) into one dense "block"
+    per row (a pool of num_reqs_padded blocks of ctx_len slots; `scratch_pass_metadata`
+    addresses it). The passes write their K/V there and never into the paged cache: those
+    positions lie past every row's last accepted one, and the next step rewrites them (its
+    bundle starts right after it) before anything reads them."""
+    kv = {g: [gather_slots(k, v, kv_slots[cache.pool_index[g]]) for k, v in cache.kv[g]] for g in groups}
+    return dataclasses.replace(cache, kv=kv, block_size=kv_slots.shape[2], state={}, snapshots={})
+
+
+@checked
+def scratch_slots(kv_slots: Int[Tensor, "kv_pools num_reqs_padded ctx_len"]) -> Int[Tensor, "kv_pools num_reqs_padded ctx_len"]:
+    """The slot of every context position in a `scratch_cache` (row r's position p: r * ctx_len + p),
+    for every pool alike. Every slot holds a finite value (a gathered or a clamped position's), so
+    no pass needs them clamped further."""
+    P, R, ctx = kv_slots.shape
+    rows = torch.arange(R, device=kv_slots.device)[:, None] * ctx
+    return (rows + torch.arange(ctx, device=kv_slots.device)[None, :])[None].expand(P, R, ctx)
+
+
+@checked
+def scratch_pass_metadata(slots: Int[Tensor, "kv_pools num_reqs_padded ctx_len"],
+                          positions: Int[Tensor, "num_reqs_padded"]) -> UniformMetadata:
+    """`draft_pass_metadata` in a `scratch_cache` (`slots`: its `scratch_slots`): one token per row
+    at `positions`, its K/V written at row r's slot r * ctx_len + position, one block per row."""
+    P, R, ctx = slots.shape
+    rows = torch.arange(R, device=positions.device)
+    return _one_token_metadata(positions, rows[None, :, None].expand(P, R, 1),
+                               (rows * ctx + positions)[None].expand(P, R), slots)
 
 
 def pass_mask(inp: DraftInputs, j: int,

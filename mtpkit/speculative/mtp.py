@@ -19,11 +19,12 @@ import torch
 from mtpkit.step.cache import CacheTensors
 from mtpkit.errors import ConfigError
 from mtpkit.checkpoint.loader import checkpoint_index
-from mtpkit.models.qwen3_next.model import Qwen3NextForCausalLM
+from mtpkit.models.qwen3_next.model import MTP_KV_GROUP, Qwen3NextForCausalLM
 from mtpkit.models.qwen3_next.config import Qwen3NextConfig
 from mtpkit.shapes import Int, Tensor, checked
 from mtpkit.step.draft import DraftInputs, Drafter
-from mtpkit.speculative.drafter import DraftSetup, draft_argmax, draft_pass_metadata, proposal_kv_slots
+from mtpkit.speculative.drafter import (DraftSetup, draft_argmax, draft_pass_metadata, proposal_kv_slots,
+                                        scratch_cache, scratch_pass_metadata, scratch_slots, uses_scratch)
 
 
 def has_mtp_weights(path: Path) -> bool:
@@ -65,10 +66,20 @@ class MTPDrafter(Drafter):
                                    inp.last_idx, first)
         draft = draft_argmax(model.compute_logits(h), inp, 0, None)
         drafts = [draft]
-        # Passes 2..num_spec: the previous draft and pass output, one position further each.
+        # Passes 2..num_spec: the previous draft and pass output, one position further each;
+        # against a scratch copy of the MTP layer's context when the backend gathers it anyway
+        # (not with several MTP layers: a layer other than the first has only these passes'
+        # K/V, which later proposals read).
+        scratch = self.num_spec > 1 and uses_scratch(model.ops) and len(cache.kv[MTP_KV_GROUP]) == 1
+        if scratch:
+            pass_cache = scratch_cache(cache, first.kv_slots, (MTP_KV_GROUP,))
+            slots = scratch_slots(first.kv_slots)
         for j in range(1, self.num_spec):
-            meta_j = draft_pass_metadata(kv_slots, inp.block_tables, pos + j)
-            h = model.mtp_forward(draft, pos + j, h, meta_j, cache, step=j)
+            if scratch:
+                meta_j = scratch_pass_metadata(slots, pos + j)
+            else:
+                meta_j, pass_cache = draft_pass_metadata(kv_slots, inp.block_tables, pos + j), cache
+            h = model.mtp_forward(draft, pos + j, h, meta_j, pass_cache, step=j)
             draft = draft_argmax(model.compute_logits(h), inp, j, draft)
             drafts.append(draft)
         return torch.stack(drafts, dim=1)

@@ -1,0 +1,89 @@
+"""On the torch backend a proposal's one-token passes run against a scratch copy of their
+context (speculative.drafter.scratch_cache) instead of the paged cache: the drafts are the
+ones the paged passes make, and a proposal writes each paged cache once (what lets
+AOTInductor write it in place instead of copying the whole cache: benchmarks/aot_cache_writes.py).
+The draft model's passes are tested the same way in test_model_family.py."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mtpkit import LLM, SamplingParams
+from mtpkit.speculative import mtp
+
+NAME = "tiny-qwen3-next"
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):"]
+
+
+class CacheWrites(TorchDispatchMode):
+    """Counts the aten ops that write into the storage of any of `tensors` (an argument its
+    schema marks as written)."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.storages = {t.untyped_storage().data_ptr() for t in tensors}
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = func._schema.arguments
+        values = list(args) + [kwargs.get(a.name) for a in schema[len(args):]]
+        for arg, value in zip(schema, values):
+            if (arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor)
+                    and value.untyped_storage().data_ptr() in self.storages):
+                self.count += 1
+        return func(*args, **kwargs)
+
+
+def record_proposals(llm, monkeypatch, tensors=()):
+    """Every proposal's drafts and the number of writes into `tensors` it made."""
+    drafter, proposals = llm.runner.drafter, []
+    propose = drafter.propose
+
+    def recorded(inp, cache):
+        with CacheWrites(tensors) as writes:
+            drafts = propose(inp, cache)
+        proposals.append((drafts.tolist(), writes.count))
+        return drafts
+
+    monkeypatch.setattr(drafter, "propose", recorded)
+    return proposals
+
+
+def generate(llm, n=40):
+    return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=n, ignore_eos=True))]
+
+
+@pytest.mark.parametrize("num_spec", [2, 4])
+def test_mtp_scratch_passes_draft_what_the_paged_passes_draft(monkeypatch, num_spec):
+    """Eager, batch of 3 (prefills that draft, verify steps with partial acceptance): the same
+    drafts at every proposal and the same tokens, with the paged passes as the reference."""
+    llm = LLM(NAME, num_spec=num_spec, enforce_eager=True, enable_prefix_caching=False)
+    assert mtp.uses_scratch(llm.runner.drafter.model.ops)
+    proposals = record_proposals(llm, monkeypatch)
+    tokens = generate(llm)
+    proposals = list(proposals)     # the recorder below wraps this one
+    with monkeypatch.context() as m:
+        m.setattr(mtp, "uses_scratch", lambda ops: False)
+        ref_proposals = record_proposals(llm, m)
+        ref_tokens = generate(llm)
+    assert tokens == ref_tokens
+    assert len(proposals) >= 5 and [d for d, _ in proposals] == [d for d, _ in ref_proposals]
+    assert llm.stats.mean_acceptance_length > 1.5   # the drafts are the trained head's, not noise
+
+
+def test_mtp_proposal_writes_the_paged_cache_once(monkeypatch):
+    """K and V of the MTP layer are each written once per proposal (pass 1, every position of the
+    step), not once per pass; the counter is not vacuous: the paged passes write num_spec times."""
+    num_spec = 3
+    llm = LLM(NAME, num_spec=num_spec, enforce_eager=True, enable_prefix_caching=False)
+    k, v = llm.cache.kv["mtp"][0]
+    proposals = record_proposals(llm, monkeypatch, (k, v))
+    generate(llm, 16)
+    assert proposals and {w for _, w in proposals} == {2}
+    proposals.clear()
+    with monkeypatch.context() as m:
+        m.setattr(mtp, "uses_scratch", lambda ops: False)
+        paged = record_proposals(llm, m, (k, v))
+        generate(llm, 16)
+    assert {w for _, w in paged} == {2 * num_spec}
