@@ -282,7 +282,7 @@ def test_separate_draft_model_is_lossless(toy, expected, draft, mode):
 
 def test_draft_model_kv_is_budgeted_and_reserved(toy):
     """The drafter's KV group is allocated in the same block pool and counted by the budget;
-    it writes num_spec positions past the verify step, so the engine reserves for them."""
+    its passes reach num_spec positions past the verify step, so the engine reserves for them."""
     llm = LLM(toy["target"], num_spec=3, draft_model=toy["other"], kv_cache_memory=1 << 20, **F64)
     kv = [t for layers in llm.cache.kv.values() for pair in layers for t in pair]
     assert len(kv) == 2 * (TOY["num_hidden_layers"] + 1)

@@ -3,8 +3,9 @@ own paged KV (allocated in the target's block pool under the prefix "draft.").
 
 After each target step it runs over the step's tokens (its KV for them; the output is not
 needed), then drafts one token at a time: the token after each row's last accepted position,
-then its own drafts, one position further each. It writes num_spec positions past the
-target step's last. Families whose models keep recurrent state are refused: rolling a draft
+then its own drafts, one position further each. Those passes write num_spec positions past
+the target step's last (on the torch backend into a scratch copy of the context instead:
+`drafter.scratch_cache`). Families whose models keep recurrent state are refused: rolling a draft
 model's state back after a rejection is not implemented.
 """
 

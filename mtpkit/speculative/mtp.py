@@ -9,7 +9,9 @@ previous draft and the MTP's own output hidden state, one position further each 
 
 Everything is computed on the device from tensors (no host round trip), so the whole proposal
 can be captured in a CUDA graph (or traced on CPU, after a verify step or a prefill). The KV
-slots all passes attend to are computed once per proposal (`proposal_kv_slots`).
+slots all passes attend to are computed once per proposal (`proposal_kv_slots`); on the torch
+backend passes 2..num_spec run against a scratch copy of that context (`scratch_cache`), so
+the MTP layer's paged cache is written once per proposal, by pass 1.
 """
 
 from pathlib import Path
