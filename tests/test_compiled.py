@@ -127,6 +127,17 @@ def test_aot_modes_name_different_packages(tmp_path):
     assert len(paths) == 2
 
 
+def test_packages_of_different_num_spec_have_different_names(tmp_path):
+    """The Gemma 4 assistant keeps no cache of its own, so its prefill proposal's arguments have
+    the same shapes at any num_spec, and the weights are the same: the drafter's settings must
+    name the package too (a num_spec=2 engine once loaded num_spec=3's and drafted 3 tokens)."""
+    paths = set()
+    for k in (2, 3):
+        llm = LLM("tiny-gemma4", num_spec=k, compile="aot", compile_after=10 ** 9, compile_cache_dir=tmp_path)
+        paths.add(llm.runner.graphs.compiler.package_path((torch.zeros(16, 4),), "prefill_proposal_16_1_64"))
+    assert len(paths) == 2
+    assert not list(tmp_path.iterdir())   # nothing compiled
+
 def test_gemma4_without_drafts(tmp_path_factory, dynamo_only):
     path = tmp_path_factory.mktemp("compiled") / "gemma4"
     G.save(G.build_hf("dense"), path)

@@ -100,9 +100,10 @@ def build_engine(ckpt: Checkpoint, args: EngineArgs) -> Engine:
     engine.threads_held = set_cpu_threads(model, device, a.num_threads)
     graphs = engine.runner.graphs
     if a.compile is not None and graphs is not None and graphs.trace:   # CPU traces only (not CUDA, TP, Triton)
-        from mtpkit.graphs.compiled import COMPILE_AFTER, Compiler, body_modules
+        from mtpkit.graphs.compiled import COMPILE_AFTER, Compiler, body_modules, body_settings
         graphs.compiler = Compiler(a.compile, body_modules(model, drafter), a.compile_cache_dir,
-                                   COMPILE_AFTER if a.compile_after is None else a.compile_after)
+                                   COMPILE_AFTER if a.compile_after is None else a.compile_after,
+                                   settings=body_settings(engine.runner.bodies))
     if plan is not None:
         if device.type == "cuda":  # activations measured, then the pools at their planned sizes
             resize_to_measured(engine, budget, meta)

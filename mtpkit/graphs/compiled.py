@@ -66,10 +66,11 @@ class Compiler:
     (the target, the drafter's), whose weights and repr name an "aot" package."""
 
     def __init__(self, mode: str, modules: list[torch.nn.Module], cache_dir: Path | None = None,
-                 compile_after: int = COMPILE_AFTER):
+                 compile_after: int = COMPILE_AFTER, settings: str = ""):
         if mode not in MODES:
             raise ValueError(f"compile={mode!r} must be one of {MODES} or None")
         self.mode, self.modules, self.compile_after = mode, modules, compile_after
+        self.settings = settings   # body_settings: what the graphs bake in besides modules and shapes
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.records: list[CompileRecord] = []
         self._identity: str | None = None
@@ -101,7 +102,7 @@ class Compiler:
         """The model's part of a package name: its weights (values, shapes, dtypes, strides), the
         repr of its modules (their sizes and settings), the mtpkit source a graph runs and torch's version."""
         if self._identity is None:
-            self._identity = model_identity(self.modules)
+            self._identity = model_identity(self.modules, self.settings)
         return self._identity
 
     def package_path(self, args: tuple, name: str) -> Path:
@@ -269,6 +270,11 @@ class _AOTGraph:
             from torch.utils import _pytree as pytree
             out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
             self._run, self._out_spec, self._unflatten = loader.boxed_run, out_spec, pytree.tree_unflatten
+            # The graphs return one tensor or a tuple of tensors: rebuilt without pytree.
+            if out_spec.is_leaf():
+                self._unflatten = lambda out, spec: out[0]
+            elif out_spec.type is tuple and all(c.is_leaf() for c in out_spec.children()):
+                self._unflatten = lambda out, spec: tuple(out)
 
     def __call__(self, *args):
         if self._run is None:
@@ -295,12 +301,14 @@ def identity_sources() -> list[Path]:
     return out
 
 
-def model_identity(modules: list[torch.nn.Module]) -> str:
+def model_identity(modules: list[torch.nn.Module], settings: str = "") -> str:
     """A hash of everything an "aot" package bakes in besides its graph: the modules' weights
-    (bytes, shapes, dtypes, strides) and buffers, their repr, the mtpkit source a graph runs
-    (identity_sources: the host-only files are left out, so editing them keeps every package) and torch's version."""
+    (bytes, shapes, dtypes, strides) and buffers, their repr, the bodies' plain settings
+    (`body_settings`), the mtpkit source a graph runs (identity_sources: the host-only files are
+    left out, so editing them keeps every package) and torch's version."""
     h = hashlib.blake2b(digest_size=16)
     h.update(torch.__version__.encode())
+    h.update(settings.encode())
     src = Path(__file__).resolve().parents[1]
     for f in identity_sources():
         h.update(f.relative_to(src).as_posix().encode())
@@ -317,6 +325,20 @@ def model_identity(modules: list[torch.nn.Module]) -> str:
             h.update(f"{name}{tuple(t.shape)}{t.stride()}{t.dtype}".encode())
             h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def body_settings(bodies) -> str:
+    """The plain values the step bodies read besides modules and tensors, which a graph bakes in
+    as constants: the bundle and the drafter's own settings (its num_spec, block size, ...). Two
+    engines that differ only there (a drafter with no cache of its own, whose tensors have the same
+    shapes at any num_spec) must never share a package."""
+    parts = [f"bundle={bodies.bundle}"]
+    drafter = bodies.drafter
+    if drafter is not None:
+        parts.append(type(drafter).__qualname__)
+        parts += [f"{k}={v!r}" for k, v in sorted(vars(drafter).items())
+                  if isinstance(v, (bool, int, float, str, type(None)))]
+    return ";".join(parts)
 
 
 def body_modules(model, drafter) -> list[torch.nn.Module]:
