@@ -247,6 +247,35 @@ def test_compiled_forms_equal_the_eager_ones(monkeypatch):
     torch.testing.assert_close(moe_experts(x, w13, down, experts, weights), eager, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("q_len,window,softcap", [(1, None, None), (4, None, None), (4, 5, None), (1, None, 30.0),
+                                                   (3, 4, 20.0)])
+def test_compiled_attention_form_equals_the_eager_one(monkeypatch, q_len, window, softcap):
+    """Under compilation a verify bundle's or a one-token pass's attention is written as multiply +
+    sum (paged._attend_fused) instead of scaled_dot_product_attention: the same values, for grouped
+    query heads, rows of different lengths, a sliding window and a logit softcap."""
+    from mtpkit.kernels import paged
+    g = torch.Generator().manual_seed(1)
+    R, H, KVH, D, ctx = 3, 4, 2, 8, 11
+    q = torch.randn(R, q_len, H, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(R, ctx, KVH, D, generator=g, dtype=torch.float64) for _ in range(2))
+    seq_lens = torch.tensor([ctx, 7, q_len])
+    q_pos = seq_lens[:, None] - q_len + torch.arange(q_len)
+    eager = paged._attend(q, k, v, q_pos, 0.3, window, softcap)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    torch.testing.assert_close(paged._attend(q, k, v, q_pos, 0.3, window, softcap), eager, rtol=1e-12, atol=1e-12)
+
+
+def test_compiled_routing_equals_topk(monkeypatch):
+    """Under compilation the router's top k is k argmax passes (moe.top_k_by_argmax): topk's values
+    and experts, largest first."""
+    from mtpkit.layers.moe import top_k_by_argmax
+    probs = torch.softmax(torch.randn(6, 16, generator=torch.Generator().manual_seed(2)), -1)
+    for k in (1, 2, 10):
+        values, experts = top_k_by_argmax(probs, k)
+        ref = torch.topk(probs, k, dim=-1)
+        assert torch.equal(experts, ref.indices) and torch.equal(values, ref.values)
+
+
 def test_compiled_one_token_steps_gather_their_experts(monkeypatch):
     """A compiled one-token step (a drafter's pass, a decode step) takes the sparse path at top 2
     of 8 experts; a bundle of 4 tokens and any traced or eager step stay dense."""

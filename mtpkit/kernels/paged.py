@@ -17,7 +17,7 @@ Scores and softmax run in fp32 (fp64 for fp64 inputs); the output is cast to q's
 import torch
 import torch.nn.functional as F
 
-from mtpkit.shapes import Float, Int, Tensor, checked
+from mtpkit.shapes import Bool, Float, Int, Tensor, checked
 
 __all__ = ["write_kv", "paged_attention_prefill", "paged_attention_verify"]
 
@@ -122,6 +122,8 @@ def _attend(q: Float[Tensor, "num_reqs q_len heads head_dim"], k: Float[Tensor, 
     visible = k_pos <= q_pos[:, :, None]                                                # [R, Q, K]
     if sliding_window is not None:
         visible &= k_pos > q_pos[:, :, None] - sliding_window
+    if torch.compiler.is_compiling():
+        return _attend_fused(q, k, v, visible, scale, softcap, cd)
     qh, kh, vh = ((x if x.dtype == cd else x.to(cd)).transpose(1, 2) for x in (q, k, v))  # [R, heads, *, D]
     if softcap is None:
         # Query head h reads KV head h // (heads // kv_heads) (enable_gqa groups them so).
@@ -134,6 +136,25 @@ def _attend(q: Float[Tensor, "num_reqs q_len heads head_dim"], k: Float[Tensor, 
         scores = softcap * torch.tanh(scores / softcap)
         out = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), dim=-1) @ vh
     out = out.transpose(1, 2)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def _attend_fused(q: Float[Tensor, "num_reqs q_len heads head_dim"], k: Float[Tensor, "num_reqs ctx_len kv_heads head_dim"],
+                  v: Float[Tensor, "num_reqs ctx_len kv_heads head_dim"], visible: Bool[Tensor, "num_reqs q_len ctx_len"],
+                  scale: float, softcap: float | None, cd: torch.dtype) -> Float[Tensor, "num_reqs q_len heads head_dim"]:
+    """_attend in a compiled graph (a verify bundle or a one-token pass: a few queries per row):
+    the products written as multiply + sum, which inductor generates as fused C++ loops, where
+    scaled_dot_product_attention is an extern call whose set-up costs more than these few
+    queries' work (docs/performance.md, "Inside the aot-tuned graphs"). Equal up to rounding."""
+    R, Q, H, D = q.shape
+    KVH = k.shape[2]
+    qg = q.to(cd).view(R, Q, 1, KVH, H // KVH, D)          # query head h reads KV head h // (H // KVH)
+    kk, vv = k.to(cd)[:, None, :, :, None, :], v.to(cd)[:, None, :, :, None, :]   # [R, 1, K, KVH, 1, D]
+    scores = (qg * kk).sum(-1) * scale                     # [R, Q, K, KVH, H // KVH]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    p = torch.softmax(scores.masked_fill(~visible[:, :, :, None, None], float("-inf")), dim=2)
+    out = (p[..., None] * vv).sum(2).reshape(R, Q, H, D)
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 

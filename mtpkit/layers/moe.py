@@ -50,6 +50,21 @@ from mtpkit.parallel import TP
 from mtpkit.shapes import Float, Int, Tensor, checked
 
 
+def top_k_by_argmax(probs: Float[Tensor, "num_tokens experts"], k: int) -> tuple[
+        Float[Tensor, "num_tokens topk"], Int[Tensor, "num_tokens topk"]]:
+    """torch.topk(probs, k) (largest first) as k argmax passes, in a compiled graph: inductor fuses
+    them with the softmax into one C++ loop, where topk is an extern call that costs more than a
+    few tokens' routing (docs/performance.md, "Inside the aot-tuned graphs"). The same values and
+    experts (ties, which topk orders as it likes, resolved to the lower expert)."""
+    values, indices = [], []
+    for _ in range(k):
+        i = probs.argmax(-1, keepdim=True)
+        values.append(probs.gather(-1, i))
+        indices.append(i)
+        probs = probs.scatter(-1, i, float("-inf"))
+    return torch.cat(values, -1), torch.cat(indices, -1)
+
+
 class SparseMoE(nn.Module):
     def __init__(self, hidden: int, num_experts: int, topk: int, intermediate: int,
                  shared_intermediate: int, norm_topk: bool, tp: TP, ops: Ops | None = None):
@@ -159,7 +174,8 @@ class SparseMoE(nn.Module):
     def route(self, logits: Float[Tensor, "num_tokens experts"]) -> tuple[
             Float[Tensor, "num_tokens topk"], Int[Tensor, "num_tokens topk"]]:
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.topk, dim=-1)
+        weights, experts = (top_k_by_argmax(probs, self.topk) if torch.compiler.is_compiling()
+                            else torch.topk(probs, self.topk, dim=-1))
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if weights.dtype == logits.dtype else weights.to(logits.dtype)), experts
