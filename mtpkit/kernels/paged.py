@@ -122,7 +122,7 @@ def _attend(q: Float[Tensor, "num_reqs q_len heads head_dim"], k: Float[Tensor, 
     visible = k_pos <= q_pos[:, :, None]                                                # [R, Q, K]
     if sliding_window is not None:
         visible &= k_pos > q_pos[:, :, None] - sliding_window
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and q.shape[1] == 1:
         return _attend_fused(q, k, v, visible, scale, softcap, cd)
     qh, kh, vh = ((x if x.dtype == cd else x.to(cd)).transpose(1, 2) for x in (q, k, v))  # [R, heads, *, D]
     if softcap is None:
@@ -142,10 +142,12 @@ def _attend(q: Float[Tensor, "num_reqs q_len heads head_dim"], k: Float[Tensor, 
 def _attend_fused(q: Float[Tensor, "num_reqs q_len heads head_dim"], k: Float[Tensor, "num_reqs ctx_len kv_heads head_dim"],
                   v: Float[Tensor, "num_reqs ctx_len kv_heads head_dim"], visible: Bool[Tensor, "num_reqs q_len ctx_len"],
                   scale: float, softcap: float | None, cd: torch.dtype) -> Float[Tensor, "num_reqs q_len heads head_dim"]:
-    """_attend in a compiled graph (a verify bundle or a one-token pass: a few queries per row):
-    the products written as multiply + sum, which inductor generates as fused C++ loops, where
-    scaled_dot_product_attention is an extern call whose set-up costs more than these few
-    queries' work (docs/performance.md, "Inside the aot-tuned graphs"). Equal up to rounding."""
+    """_attend in a compiled graph of one query per row (a drafter's one-token pass, a decode step
+    without drafts): the products written as multiply + sum, which inductor generates as fused C++
+    loops, where scaled_dot_product_attention is an extern call whose set-up costs more than one
+    query's work (13 vs ~30 us per call here). A bundle of 4 queries ran slower this way than
+    through the extern call (163 vs 75 us with its neighbours), so it keeps that: docs/performance.md,
+    "Inside the aot-tuned graphs". Equal up to rounding."""
     R, Q, H, D = q.shape
     KVH = k.shape[2]
     qg = q.to(cd).view(R, Q, 1, KVH, H // KVH, D)          # query head h reads KV head h // (H // KVH)
