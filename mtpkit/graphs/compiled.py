@@ -14,6 +14,8 @@ Modes (benchmarks/compile_modes.py measures them; docs/performance.md has the ta
   Python wrapper at replay; a warm start only loads the packages.
 - "aot-tuned": those packages compiled with "freeze"'s settings (frozen weights, max-autotune's C++
   GEMM template): "freeze"'s fast matmuls without dynamo, cached alike; minutes per graph cold.
+Both max-autotune modes render the template's float32 micro-kernel as graphs/micro_gemm.py writes
+it (plain loops, packed weights prefetched: bit-identical products, more of the memory bandwidth).
 The cache tensors are arguments of every graph (CapturedSteps._flat), never constants: they change
 between replays. The weights are constants in "freeze" and "aot" only, which is sound because
 nothing writes a model's weights after load (tests/test_compiled.py checks the hash is stable
