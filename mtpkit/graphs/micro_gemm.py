@@ -4,7 +4,7 @@ matmuls with.
 
 A decode or verify step multiplies a few rows (M = 1..8) by every weight of the model once: the
 matmuls stream weights from DRAM, so their speed is the bandwidth they draw. Inductor's template
-(torch/_inductor/codegen/cpp_micro_gemm.py, CppMicroGemmFP32Vec) writes its register block as
+(torch._inductor.codegen.cpp_micro_gemm.CppMicroGemmFP32Vec) writes its register block as
 `c10::ForcedUnroll` lambdas over `VectorizedN` arrays and prefetches nothing; the same block
 written as loops over plain `Vectorized` arrays, with the packed weights prefetched a few KB
 ahead, draws 1.4-1.5x the bandwidth at M = 4 (`python benchmarks/micro_gemm.py`; numbers in
