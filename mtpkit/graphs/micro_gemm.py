@@ -67,12 +67,17 @@ def _template_class():
     return cpp_micro_gemm.CppMicroGemmFP32Vec
 
 
+_rendered: dict[str, str | None] = {}   # torch's template text -> the patched text (or None)
+
+
 def _patched_text(text: str) -> str | None:
     """The template with the loops inserted, or None where torch's text is not the one they were
-    written against."""
-    if not text.count(_ANCHOR) or not all(s in text for s in _SAME_AS):
-        return None
-    return text.replace(_ANCHOR, _LOOPS + _ANCHOR, 1)   # the first: the non-transposed kernel's
+    written against. Memoised: "freeze" enters `patched` at every call of a compiled graph (dynamo
+    may recompile at any call)."""
+    if text not in _rendered:
+        ok = text.count(_ANCHOR) and all(s in text for s in _SAME_AS)
+        _rendered[text] = text.replace(_ANCHOR, _LOOPS + _ANCHOR, 1) if ok else None   # the first: the non-transposed kernel's
+    return _rendered[text]
 
 
 def patch_applies() -> bool:
