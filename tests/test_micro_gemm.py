@@ -12,11 +12,11 @@ import torch
 from mtpkit.graphs import compiled, micro_gemm
 
 
-@pytest.fixture(autouse=True)
-def _template_known():
-    """Checked when a test runs, not at collection: asking imports inductor's codegen."""
-    if not micro_gemm.patch_applies():
-        pytest.skip("this torch's micro-GEMM template is not the one the patch was written against")
+def test_this_torch_takes_the_patch():
+    """A torch whose template text moved on compiles with its own kernel (the patch is a no-op,
+    below): correct, but the bandwidth is lost, so the suite says so rather than skipping."""
+    assert micro_gemm.patch_applies(), ("torch's CppMicroGemmFP32Vec template no longer has the text "
+                                        "graphs/micro_gemm.py patches: update the patch for this torch")
 
 
 OPTS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP", "fx_graph_cache": False}
@@ -48,6 +48,9 @@ def compile_and_code(mod, x, patch: bool):
 
 @pytest.mark.parametrize("rows", [4])
 def test_patched_kernel_is_generated_and_gives_the_templates_products(rows):
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    if not pick_vec_isa():   # an x86-64 CPU without AVX2: inductor has no C++ GEMM template to patch
+        pytest.skip("inductor found no vector ISA (AVX2 / AVX-512) on this CPU: it renders no C++ GEMM")
     mod = Two().eval()
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(1))
     before = micro_gemm._template_class().TEMPLATE_KERNEL

@@ -211,7 +211,7 @@ def _inductor_options(freeze: bool) -> dict:
 
 def _gemm_kernel(freeze: bool):
     """The modes with max-autotune's C++ GEMM template compile it as graphs/micro_gemm.py's loops
-    (bit-identical products, 1.4x the bandwidth at M = 4 here); the others render nothing from it."""
+    (bit-identical products, more of the memory bandwidth at M >= 2); the others render nothing from it."""
     return micro_gemm.patched() if freeze else contextlib.nullcontext()
 
 

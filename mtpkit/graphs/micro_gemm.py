@@ -7,16 +7,16 @@ matmuls stream weights from DRAM, so their speed is the bandwidth they draw. Ind
 (torch._inductor.codegen.cpp_micro_gemm.CppMicroGemmFP32Vec) writes its register block as
 `c10::ForcedUnroll` lambdas over `VectorizedN` arrays and prefetches nothing; the same block
 written as loops over plain `Vectorized` arrays, with the packed weights prefetched a few KB
-ahead, draws 1.4-1.5x the bandwidth at M = 4 (`python benchmarks/micro_gemm.py`; numbers in
-docs/performance.md). The arithmetic is the template's: each output element is the same chain of
+ahead, draws x1.1-1.5 the bandwidth at M = 4 and x1.5-1.7 at M = 8 on the 2-core AMD machine
+(M = 1 unchanged; `python benchmarks/micro_gemm.py`, docs/performance.md). The arithmetic is the template's: each output element is the same chain of
 fused multiply-adds in k order, so the results are bit-identical.
 
 `patched()` swaps the template's text while a graph compiles (inductor renders it then, autotuning
 included, so the autotuner times the loops) and puts it back after. It changes only the
 non-transposed, full-width, float32 x float32 case (the weights of a frozen graph are packed
 non-transposed); every other case renders as before. If torch's template no longer has the text
-this replaces (another torch version), nothing is patched: `PATCH_APPLIES` says so and the
-graphs compile with torch's kernel. The patch's text is part of every package's name (the package
+this replaces (another torch version), nothing is patched: `patch_applies()` says so and the
+graphs compile with torch's kernel (tests/test_micro_gemm.py then fails, to have the patch looked at). The patch's text is part of every package's name (the package
 cache hashes this file with the rest of the graph code: graphs/compiled.identity_sources).
 """
 
