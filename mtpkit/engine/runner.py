@@ -255,15 +255,17 @@ class ModelRunner:
         try:
             if self.graphs is not None:
                 hidden, logits, greedy, positions, token_ids, limit = self.graphs.verify(rows, n, limit_list)
-                limit = limit[:R]
+                if R < n:
+                    limit = limit[:R]
             else:  # the body CapturedSteps captures, on this step's own tensors
                 token_ids, positions, meta = build_uniform(rows, n, self.cfg.block_size, self.cfg.max_blocks,
                                                            self.device)
                 limit = torch.tensor(limit_list, dtype=torch.int64, device=self.device)
                 step = verify_inputs(token_ids, positions, meta)
                 hidden, logits, greedy = self.bodies.verify(meta.max_seq_len, *step, limit, self.cache)
-            logits = logits.view(n, B, -1)[:R]
-            drafts = token_ids.view(n, B)[:R, 1:]                             # [R, k]: d_1..d_k
+            # (a batch that fills its graph size takes views without slicing rows: each op is host time)
+            logits = logits.view(n, B, -1) if R == n else logits.view(n, B, -1)[:R]
+            drafts = token_ids.view(n, B)[:, 1:] if R == n else token_ids.view(n, B)[:R, 1:]   # [R, k]: d_1..d_k
             sampling = self._sampling([r.params for r in reqs])
             # Bundle index j samples the token at position num_computed + 1 + j.
             # The generation controls at every bundle position (drafts before it count as generated).
@@ -279,10 +281,9 @@ class ModelRunner:
             # The verify body's own outcome (sampling/rejection.greedy_verify, the rule
             # rejection_sample applies to greedy rows): tokens, num_emitted and the finite check
             # per row, read back at once.
-            out = greedy[:R]
+            out = greedy if R == n else greedy[:R]
             if self.tp.size > 1:   # rank 0 decides
                 out = self.tp.broadcast(out.contiguous())
-            tokens, num_emitted = out[:, :B], out[:, B]
             packed = out.tolist()
             tok_list = [row[:B] for row in packed]
             emitted_counts = [row[B] for row in packed]
@@ -290,6 +291,9 @@ class ModelRunner:
             dead = {}
             if self.graphs is not None and self.tp.size == 1:   # the proposal reads every row's, padded ones too
                 tokens_all, num_all = greedy[:, :B], greedy[:, B]
+                tokens = tokens_all if R == n else tokens_all[:R]
+            else:
+                tokens, num_emitted = out[:, :B], out[:, B]
         else:
             if masks is not None:   # after the controls, in place, the constrained rows only
                 processed = masks.apply(processed, reqs, keep_raw=processed is logits)
@@ -326,7 +330,9 @@ class ModelRunner:
                 else:  # eager: no padded rows (n == R), so what was emitted is every row's
                     drafts_out = self.bodies.propose(meta.max_seq_len, hidden, tokens.reshape(-1), num_emitted,
                                                      *step, self.cache, draft_masks)
-                return self.tp.broadcast(drafts_out[:R].contiguous()).tolist()
+                if self.tp.size > 1:   # (drafts_out has the R real rows: the padded ones are cut)
+                    drafts_out = self.tp.broadcast(drafts_out.contiguous())
+                return drafts_out.tolist()
             # constrained rows draft under their grammar (after what they emitted)
             draft_masks = self._draft_masks(reqs, masks, [tok_list[i][:emitted_counts[i]] for i in range(R)])
             new_drafts = self._constrained_drafts(propose, draft_masks)

@@ -108,16 +108,19 @@ class CacheTensors:
         return sum(t[0].numel() * t.element_size() for layers in self.state.values()
                    for layer in layers for t in layer.values())
 
-    def _slot_pairs(self, slots: Sequence[Sequence[int]], ids: Sequence[int]):
-        """Per state name, the slot of each request that holds it: a request keeps its conv
-        window in its first slot and its recurrent state in its last (a prefill writes them
-        there; docs/design.md, "GDN state under speculation"). Other names: the first."""
+    def _check_snapshots(self, slots: Sequence[Sequence[int]], ids: Sequence[int]) -> None:
         if len(slots) != len(ids):
             raise ValueError(f"snapshots: one id per request's slots, got {len(ids)} ids for {len(slots)}")
         missing = [g for g, layers in self.state.items() if layers and g not in self.snapshots]
         if missing:
             raise ValueError(f"no snapshot store for the state groups {missing}: allocate it for the engine's "
                              "whole CacheSpec (allocate_cache(..., num_snapshots=N) / allocate_snapshots)")
+
+    def _slot_pairs(self, slots: Sequence[Sequence[int]], ids: Sequence[int]):
+        """Per state name, the slot of each request that holds it: a request keeps its conv
+        window in its first slot and its recurrent state in its last (a prefill writes them
+        there; docs/design.md, "GDN state under speculation"). Other names: the first."""
+        self._check_snapshots(slots, ids)
         first = torch.tensor([s[0] for s in slots], dtype=torch.int64)
         last = torch.tensor([s[-1] for s in slots], dtype=torch.int64)
         return {"ssm": last}, first, torch.tensor(list(ids), dtype=torch.int64)
@@ -150,25 +153,26 @@ class CacheTensors:
         state is never saved), before the next step overwrites its slots. The recurrent state
         after position t is in slot t (the GDN contract); the conv window after it starts at
         column t of the first slot and is moved to where a prefill leaves it (the last W-1
-        columns), the columns before it zero (nothing reads them). Indexed copies."""
-        _, first, ids_t = self._slot_pairs(slots, ids)
-        at = torch.tensor([s[t] for s, t in zip(slots, positions)], dtype=torch.int64)
-        pos = torch.tensor(list(positions), dtype=torch.int64)
-        for g, layers in self.state.items():
-            for layer, snap in zip(layers, self.snapshots[g]):
-                for n, t in layer.items():
-                    dev = t.device
-                    if n != "conv":
-                        snap[n].index_copy_(0, ids_t.to(dev), t.index_select(0, at.to(dev)).to(snap[n].dtype))
-                        continue
-                    # A slot's conv columns are W-1+num_spec long and its bundle num_spec+1:
-                    # column j of the snapshot is column j - (num_spec - t) of the slot.
-                    L, num_spec = t.shape[-1], len(slots[0]) - 1
-                    col = torch.arange(L, device=dev)[None, :] - (num_spec - pos.to(dev))[:, None]   # [n, L]
-                    rows = t.index_select(0, first.to(dev))                                         # [n, C, L]
-                    moved = rows.gather(2, col.clamp(min=0)[:, None, :].expand_as(rows))
-                    moved = torch.where((col >= 0)[:, None, :], moved, 0)
-                    snap[n].index_copy_(0, ids_t.to(dev), moved.to(snap[n].dtype))
+        columns), the columns before it zero (nothing reads them)."""
+        self._check_snapshots(slots, ids)
+        # One request at a time, with its ints on the host: views and a copy per tensor (a save
+        # happens once per block of a request's tokens; the batched indexed form cost ~40
+        # small ops per call whatever the count, this ~5 per tensor and save).
+        for sl, t_pos, sid in zip(slots, positions, ids):
+            num_spec = len(sl) - 1
+            shift = num_spec - t_pos    # snapshot column j = slot column j - shift
+            for g, layers in self.state.items():
+                for layer, snap in zip(layers, self.snapshots[g]):
+                    for n, t in layer.items():
+                        if n != "conv":
+                            snap[n][sid].copy_(t[sl[t_pos]])
+                            continue
+                        # A slot's conv columns are W-1+num_spec long and its bundle num_spec+1:
+                        # the window after position t_pos starts at column t_pos of the first slot.
+                        dst, src, L = snap[n][sid], t[sl[0]], t.shape[-1]
+                        dst[..., shift:].copy_(src[..., :L - shift])
+                        if shift:
+                            dst[..., :shift].zero_()
 
     def apply(self, copies: CacheCopies) -> None:
         """Do `copies` (see CacheCopies) on the device."""
