@@ -294,3 +294,26 @@ def test_snapshot_store_bytes(llm):
     one = cfg.conv_dim * conv_cols + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
     assert llm.cache.bytes_per_snapshot == len(cfg.linear_layers) * one * 8
     assert llm.cache.num_snapshots == 16
+
+
+def test_verify_snapshots_of_several_requests_in_one_call():
+    """save_verify_snapshots with several requests at once (one prefix-cache step may save for
+    many): each snapshot is its own request's state after its own position, the conv columns
+    shifted to where a prefill leaves them (left zero-filled), stated here by plain indexing."""
+    from mtpkit.step.cache import CacheTensors
+    torch.manual_seed(0)
+    num_spec, C, W = 3, 5, 4
+    L = W - 1 + num_spec
+    state = {"gdn": [{"conv": torch.randn(9, C, L), "ssm": torch.randn(9, 2, 3, 3)} for _ in range(2)]}
+    snaps = {"gdn": [{"conv": torch.full((4, C, L), 7.0), "ssm": torch.full((4, 2, 3, 3), 7.0)} for _ in range(2)]}
+    cache = CacheTensors({}, state, 16, {}, (), snaps)
+    slots, positions, ids = [[1, 2, 3, 4], [5, 6, 7, 8], [1, 2, 3, 4]], [0, 3, 2], [2, 0, 3]
+    cache.save_verify_snapshots(slots, positions, ids)
+    for layer, snap in zip(state["gdn"], snaps["gdn"]):
+        for sl, t, sid in zip(slots, positions, ids):
+            assert torch.equal(snap["ssm"][sid], layer["ssm"][sl[t]])
+            shift = num_spec - t
+            want = torch.zeros(C, L)
+            want[:, shift:] = layer["conv"][sl[0]][:, :L - shift]
+            assert torch.equal(snap["conv"][sid], want)
+        assert (snap["conv"][1] == 7).all() and (snap["ssm"][1] == 7).all()   # id 1: not saved
