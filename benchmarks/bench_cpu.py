@@ -12,7 +12,10 @@ a noisy stretch of the shared machine hits every configuration alike). tok/s com
 configuration's median time; a ratio is the median over rounds of the two configurations'
 same-round ratio. The mtpkit engines
 are long-lived: their CPU decode graphs are traced on first use (`trace_after = 0`), so the
-warm-up pays for tracing and the timed runs measure the steady state.
+warm-up pays for tracing and the timed runs measure the steady state. Their prefix cache is
+off (`enable_prefix_caching=False`) unless `--prefix-caching`: the rounds repeat the warm-up's
+prompts, which a cache would serve from its blocks while llama.cpp's driver (which clears its
+memory per prompt) and transformers prefill every prompt in full.
 
     python benchmarks/bench_cpu.py                      # the embedded model
     python benchmarks/bench_cpu.py --max-tokens 128 --batches 1 8 --threads 1 --rounds 7
@@ -142,6 +145,9 @@ def main():
                    help="also run mtpkit engines with compiled decode graphs (LLM(compile=...))")
     p.add_argument("--compile-spec", type=int, nargs="+", default=None,
                    help="the num_spec values of the compiled engines (default: 0..--max-spec)")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="keep mtpkit's prefix cache on: the timed rounds then reuse the warm-up's prompt "
+                        "blocks, which the other engines prefill again (not a like-for-like comparison)")
     p.add_argument("--llamacpp-drafts", type=int, default=llamacpp_client.NUM_DRAFTS,
                    help="llama.cpp's draft length in MTP mode")
     args = p.parse_args()
@@ -149,11 +155,10 @@ def main():
         torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     hf, hf_assistant = hf_models(path)
-    engines = {k: LLM(path, num_spec=k, dtype="float32", max_num_seqs=max(args.batches))
-               for k in range(args.max_spec + 1)}
+    common = dict(dtype="float32", max_num_seqs=max(args.batches), enable_prefix_caching=args.prefix_caching)
+    engines = {k: LLM(path, num_spec=k, **common) for k in range(args.max_spec + 1)}
     if args.compile:   # keys ("c", k): compiled in the warm-up, so the rounds time the steady state
-        engines.update({("c", k): LLM(path, num_spec=k, dtype="float32", max_num_seqs=max(args.batches),
-                                      compile=args.compile, compile_after=0)
+        engines.update({("c", k): LLM(path, num_spec=k, compile=args.compile, compile_after=0, **common)
                         for k in (args.compile_spec or range(args.max_spec + 1))})
     for llm in engines.values():  # long-lived engines: CPU graphs traced on first use (graphs.captured)
         llm.runner.graphs.trace_after = 0
@@ -161,6 +166,7 @@ def main():
     llamacpp = llamacpp_drivers(args.llamacpp or llamacpp_client.workdir_from_env(), path.name,
                                 args.threads or torch.get_num_threads(), args.llamacpp_drafts)
     print(f"model={path.name} prompts={args.prompts} max_tokens={args.max_tokens} prompt_len={args.prompt_len} "
+          f"mtpkit prefix cache {'on' if args.prefix_caching else 'off'} "
           f"threads={torch.get_num_threads()}; {args.rounds} rounds, each running every engine once: "
           f"tok/s from the median time, ratios the median of same-round ratios")
     all_same = True

@@ -10,7 +10,12 @@ ratios); d: the largest difference to it.
 w_in and w13 merged into one matmul (SparseMoE.merge_for_cpu) against the two matmuls.
 
     python benchmarks/moe_paths.py
+`--grouped` times the eager block (forward, as a prefill runs it) at many tokens, computing
+every expert (`_dense`) against looping over the experts hit (`_grouped`), at both shapes:
+where the loop starts to pay sets SparseMoE.grouped_rows.
+
     python benchmarks/moe_paths.py --merged
+    python benchmarks/moe_paths.py --grouped
 """
 
 import argparse
@@ -55,14 +60,45 @@ def merged_vs_unmerged(rounds: int = 15, reps: int = 100):
                   f"merged {statistics.median(ts['merged']):.1f} us  merged/unmerged x{r:.3f}  d={d:.0e}")
 
 
+def dense_vs_grouped(rounds: int = 7):
+    for E, K, I, S, H in SHAPES:
+        m = SparseMoE(H, E, K, I, S, True, TP.single())
+        torch.manual_seed(0)
+        for p in m.parameters():
+            p.data = torch.randn_like(p) * 0.05
+        set_weight_layout(m, torch.device("cpu"), lambda n: n in m.row_major_params())
+        m.merge_for_cpu()
+        for T in (16, 32, 64, 128, 256):
+            x = torch.randn(T, H)
+            ts = {"dense": [], "grouped": []}
+            with torch.inference_mode():
+                outs = {}
+                for _ in range(rounds):
+                    for path, limit, rows in (("dense", 1 << 62, 1 << 62), ("grouped", 0, 0)):
+                        m.dense_limit, m.grouped_rows = limit, rows
+                        reps = max(1, 2048 // T) if E == 8 else 2
+                        t = time.perf_counter()
+                        for _ in range(reps):
+                            outs[path] = m(x)
+                        ts[path].append((time.perf_counter() - t) / reps * 1e6)
+            d = (outs["grouped"] - outs["dense"]).abs().max().item()
+            r = statistics.median(a / b for a, b in zip(ts["grouped"], ts["dense"]))
+            print(f"E={E} K={K} I={I} H={H} T={T} ({T * K / E:.0f} pairs per expert): dense "
+                  f"{statistics.median(ts['dense']):8.1f} us  grouped {statistics.median(ts['grouped']):8.1f} us  "
+                  f"grouped/dense x{r:.2f}  d={d:.0e}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--merged", action="store_true")
+    p.add_argument("--grouped", action="store_true")
     args = p.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     if args.merged:
         return merged_vs_unmerged()
+    if args.grouped:
+        return dense_vs_grouped()
     for (E, K, I, S, H) in SHAPES:
         ms = {}
         for lay in ("w13 column-major", "w13 row-major"):

@@ -111,6 +111,13 @@ def test_cpu_layout_merges_w_in_and_w13_when_every_step_runs_every_expert(shared
         x = torch.randn(T, 32, dtype=torch.float64)
         torch.testing.assert_close(moe(x), _reference_moe(x, moe, sd), rtol=1e-12, atol=1e-12)
     del moe._experts
+    # A prefill-sized step (16 pairs per expert on average: grouped_rows) loops over the experts
+    # hit; one token fewer still computes every expert.
+    for T, other in ((64, "_dense"), (63, "_grouped")):
+        x = torch.randn(T, 32, dtype=torch.float64)
+        setattr(moe, other, lambda *a: pytest.fail(f"{other} ran for {T} tokens"))
+        torch.testing.assert_close(moe(x), _reference_moe(x, moe, sd), rtol=1e-12, atol=1e-12)
+        delattr(moe, other)
     # Weights replaced after the merge (a reload, .to(...)): the merged matrix is not used.
     moe.w13.data = moe.w13.data.clone()
     assert not moe._merged()

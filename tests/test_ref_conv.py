@@ -38,13 +38,13 @@ def pool_dtype(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("num_spec", [0, 2])
 def test_prefill_varlen_equals_direct_conv(dtype, num_spec):
-    lens = [9, 2, 5]  # a request shorter than the window too
+    lens = [19, 2, 5]  # a request shorter than the window too; one long enough for the taps form
     x, w = data(sum(lens), dtype)
     state = torch.randn(5, C, W - 1 + num_spec, dtype=pool_dtype(dtype))
     before = state.clone()
     out = prefill(x, w, state, lens, [3, 1, 4], [False, False, False])
     assert out.dtype == dtype
-    bounds = [0, 9, 11, 16]
+    bounds = [0, 19, 21, 26]
     for i, slot in enumerate([3, 1, 4]):
         xi = x[bounds[i]:bounds[i + 1]]
         torch.testing.assert_close(out[bounds[i]:bounds[i + 1]].double(), direct(xi, w), **TOL[dtype])

@@ -185,6 +185,10 @@ class SparseMoE(nn.Module):
     # result is independent of the other tokens in the batch (padded rows cannot change real
     # rows' rounding). Looping pays only for steps of many tokens.
     dense_limit: int = 1024
+    # With few experts, a step of many tokens gives each expert enough rows that looping over
+    # them (two matmuls per expert on its gathered rows) beats computing every expert: from
+    # this many pairs per expert on average (benchmarks/moe_paths.py --grouped).
+    grouped_rows: int = 16
     # Gathering the chosen experts' blocks pays when they are a small share of the experts:
     # with few experts the dense path is faster even for one token; with hundreds of experts
     # a decode step reads a hundredth of the weights.
@@ -260,7 +264,8 @@ class SparseMoE(nn.Module):
         # with top 10 of 512 experts touches about half of them); the torch gather copies each
         # pair's expert, which pays only when the pairs are few against the experts.
         fused = self.fp8 is None and self.ops is not None and self.ops.fused_moe
-        if not capturing and T * self.num_experts > self.dense_limit:
+        if not capturing and (T * self.num_experts > self.dense_limit
+                              or T * self.topk >= self.grouped_rows * self.num_experts):
             return "grouped"
         share = self.compiled_sparse_share if torch.compiler.is_compiling() else self.sparse_share
         if fused or T * self.topk * share <= self.num_local:
@@ -322,25 +327,34 @@ class SparseMoE(nn.Module):
 
     def _grouped(self, x: Float[Tensor, "num_tokens hidden"], h: Float[Tensor, "num_tokens _"]
                  ) -> Float[Tensor, "num_tokens hidden"]:
-        E, I, S = self.num_experts, self.inter, self.shared_range[1]
+        """The pairs sorted by expert and their tokens' rows gathered once, so each expert hit
+        costs two matmuls on a contiguous run of rows (no per-expert index ops), and the gated
+        activation and the routing weights are one op each over every pair."""
+        E, I, S, K, nl = self.num_experts, self.inter, self.shared_range[1], self.topk, self.num_local
         weights, experts = self.route(h[:, :E])
-        out = torch.zeros_like(x)
         flat = experts.flatten()
-        order = torch.argsort(flat, stable=True)
+        order = torch.argsort(flat, stable=True)                      # pairs, expert by expert
         counts = torch.bincount(flat, minlength=E).tolist()
-        token_of = order // self.topk
+        lo = sum(counts[:self.first])                                 # this rank's experts' pairs
+        mine = counts[self.first:self.first + nl]
+        pairs = order[lo:lo + sum(mine)]
+        tok = pairs // K
+        xs = x.index_select(0, tok)                                   # [pairs, H]
+        gu = x.new_empty(len(pairs), 2 * I)
         start = 0
-        for e, c in enumerate(counts):
-            idx, tok = order[start:start + c], token_of[start:start + c]
+        for e, c in enumerate(mine):
+            if c:
+                torch.mm(xs[start:start + c], self.w13[e].T, out=gu[start:start + c])
             start += c
-            local = e - self.first
-            if c == 0 or not 0 <= local < self.num_local:  # not routed here, or another rank's
-                continue
-            g, u = linear(x[tok], self.w13[local]).chunk(2, dim=-1)
-            down = self.w_out[:, S + local * I:S + (local + 1) * I]
-            out.index_add_(0, tok, linear(self.activation(g) * u * weights.flatten()[idx, None], down))
+        act = self.activation(gu[:, :I]) * gu[:, I:] * weights.flatten().index_select(0, pairs)[:, None]
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, c in enumerate(mine):
+            if c:
+                torch.mm(act[start:start + c], self.w_out[:, S + e * I:S + (e + 1) * I].T, out=ys[start:start + c])
+            start += c
+        out = torch.zeros_like(x).index_add_(0, tok, ys)
         return out + linear(self._shared_act(h), self.w_out[:, :S]) if self.s else out
-
 
 def fused_expert_aliases(shapes: dict, num_experts: int, intermediate: int) -> dict:
     """Checkpoints written with experts already fused (experts.gate_up_proj [E, 2I, H],
