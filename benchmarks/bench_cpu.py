@@ -232,8 +232,10 @@ def main():
             print(line)
         compiled = [k for k in fns if isinstance(k, tuple)]
         if compiled and ours:
-            print(f"  {args.compile} x traced, same num_spec: " + ", ".join(
-                f"k={k}: {ratio(times, ('c', k), k):.2f}" for _, k in compiled))
+            same = [k for _, k in compiled if k in times]   # a compiled num_spec above --max-spec has no traced twin
+            if same:
+                print(f"  {args.compile} x traced, same num_spec: " + ", ".join(
+                    f"k={k}: {ratio(times, ('c', k), k):.2f}" for k in same))
             best_c = min(compiled, key=lambda k: statistics.median(times[k]))
             line = (f"  best compiled num_spec={best_c[1]}: {ratio(times, best_c, best):.2f}x the best traced, "
                     f"{ratio(times, best_c, 0):.2f}x traced without drafts")
