@@ -137,3 +137,30 @@ def test_rope_over_the_whole_head_is_rotate_half_on_the_rotated_dims():
     rotated = torch.cat([-rot[..., 8:], rot[..., :8]], -1)
     expected = torch.cat([rot * cos + rotated * sin, rest], -1)
     assert torch.equal(rope(pos, x), expected)
+
+
+@pytest.mark.parametrize("shared", [0, 16])
+def test_grouped_path_of_tensor_parallel_shards_sums_to_the_whole(shared):
+    """Under TP each rank loops over only its own experts' pairs (a contiguous run of the pairs
+    sorted by expert) and its part of the shared expert: the ranks' partial sums (what the
+    all-reduce adds) equal one rank's whole, and each rank's grouped result equals its dense one."""
+    torch.manual_seed(0)
+    full = SparseMoE(hidden=32, num_experts=8, topk=2, intermediate=24, shared_intermediate=shared,
+                     norm_topk=True, tp=TP.single()).double()
+    for p in full.parameters():
+        p.data.normal_(0, 0.2)
+    tensors = {n: t for spec in full.checkpoint_specs("mlp") for n, t in spec.export(spec.param).items()}
+    shards = []
+    for rank in range(2):
+        m = SparseMoE(hidden=32, num_experts=8, topk=2, intermediate=24, shared_intermediate=shared,
+                      norm_topk=True, tp=TP(rank=rank, size=2)).double()
+        for spec in m.checkpoint_specs("mlp"):
+            spec.param.data = spec.assemble({n: tensors[n] for n in spec.sources}).double()
+        shards.append(m)
+    x = torch.randn(40, 32, dtype=torch.float64)
+    whole = full._grouped(x, full.project_in(x))
+    parts = [m._grouped(x, m.project_in(x)) for m in shards]
+    torch.testing.assert_close(parts[0] + parts[1], whole, rtol=1e-12, atol=1e-12)
+    for m, part in zip(shards, parts):
+        torch.testing.assert_close(part, m._dense(x, m.project_in(x)), rtol=1e-12, atol=1e-12)
+    assert shards[1].first == 4 and parts[0].abs().sum() > 0 and parts[1].abs().sum() > 0
