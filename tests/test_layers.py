@@ -19,6 +19,7 @@ from mtpkit import LLM
 from mtpkit.layers.rope import PartialRoPE
 from mtpkit.checkpoint.loader import export_state_dict
 from mtpkit.layers.layout import set_weight_layout
+from mtpkit.layers.linear import linear
 from mtpkit.layers.moe import SparseMoE
 from mtpkit.checkpoint.hub import resolve_model
 from mtpkit.parallel import TP
@@ -164,3 +165,13 @@ def test_grouped_path_of_tensor_parallel_shards_sums_to_the_whole(shared):
     for m, part in zip(shards, parts):
         torch.testing.assert_close(part, m._dense(x, m.project_in(x)), rtol=1e-12, atol=1e-12)
     assert shards[1].first == 4 and parts[0].abs().sum() > 0 and parts[1].abs().sum() > 0
+    # Every token routed to experts 0-3 (rank 0's): rank 1 has no pair, only its shared part.
+    for m in (full, *shards):
+        m.w_in.data[:4] = 1.0
+        m.w_in.data[4:8] = 0.0
+    x = torch.rand(40, 32, dtype=torch.float64) + 0.1
+    parts = [m._grouped(x, m.project_in(x)) for m in shards]
+    torch.testing.assert_close(parts[0] + parts[1], full._grouped(x, full.project_in(x)), rtol=1e-12, atol=1e-12)
+    m = shards[1]
+    shared_only = linear(m._shared_act(m.project_in(x)), m.w_out[:, :m.shared_range[1]]) if shared else 0
+    torch.testing.assert_close(parts[1], torch.zeros_like(x) + shared_only, rtol=1e-12, atol=1e-12)

@@ -340,21 +340,17 @@ class SparseMoE(nn.Module):
         pairs = order[lo:lo + sum(mine)]
         tok = pairs // K
         xs = x.index_select(0, tok)                                   # [pairs, H]
-        gu = x.new_empty(len(pairs), 2 * I)
-        start = 0
-        for e, c in enumerate(mine):
-            if c:
-                torch.mm(xs[start:start + c], self.w13[e].T, out=gu[start:start + c])
-            start += c
-        act = self.activation(gu[:, :I]) * gu[:, I:] * weights.flatten().index_select(0, pairs)[:, None]
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, c in enumerate(mine):
-            if c:
-                torch.mm(act[start:start + c], self.w_out[:, S + e * I:S + (e + 1) * I].T, out=ys[start:start + c])
-            start += c
-        out = torch.zeros_like(x).index_add_(0, tok, ys)
+        bounds = [sum(mine[:e]) for e in range(nl + 1)]                # expert e's run of pairs
+        hit = [e for e in range(nl) if mine[e]]
+        out = torch.zeros_like(x)
+        if hit:   # (products concatenated, not written into slices with out=: training runs
+            # this path under autograd, which refuses out= arguments)
+            gu = torch.cat([xs[bounds[e]:bounds[e + 1]] @ self.w13[e].T for e in hit])
+            act = self.activation(gu[:, :I]) * gu[:, I:] * weights.flatten().index_select(0, pairs)[:, None]
+            ys = torch.cat([act[bounds[e]:bounds[e + 1]] @ self.w_out[:, S + e * I:S + (e + 1) * I].T for e in hit])
+            out = out.index_add(0, tok, ys)
         return out + linear(self._shared_act(h), self.w_out[:, :S]) if self.s else out
+
 
 def fused_expert_aliases(shapes: dict, num_experts: int, intermediate: int) -> dict:
     """Checkpoints written with experts already fused (experts.gate_up_proj [E, 2I, H],
