@@ -14,8 +14,14 @@ w_in and w13 merged into one matmul (SparseMoE.merge_for_cpu) against the two ma
 every expert (`_dense`) against looping over the experts hit (`_grouped`), at both shapes:
 where the loop starts to pay sets SparseMoE.grouped_rows.
 
+`--one-token` times the compiled one-token expert products (moe_experts' compiled form: the
+proposal's MoE, 2 of 8 experts) under torch.compile, 24 layers' distinct weights per call (beyond
+the L3 cache, as in a step): gate/up blocks read from the column-major merged matrix (what
+merge_for_cpu leaves), from a row-major copy, and as batched matmuls on the gathered blocks.
+
     python benchmarks/moe_paths.py --merged
     python benchmarks/moe_paths.py --grouped
+    python benchmarks/moe_paths.py --one-token
 """
 
 import argparse
@@ -88,10 +94,61 @@ def dense_vs_grouped(rounds: int = 7):
                   f"grouped/dense x{r:.2f}  d={d:.0e}")
 
 
+def one_token_compiled(rounds: int = 7, reps: int = 100, layers: int = 24):
+    from mtpkit.kernels.elementwise import ACTIVATIONS
+    E, K, I, S, H = SHAPES[0]
+    torch.manual_seed(0)
+    lay = []
+    for _ in range(layers):
+        merged = torch.randn(E + 1 + 2 * S + E * 2 * I, H).t().contiguous().t()   # column-major, as merged
+        w_out = torch.randn(H, S + E * I).t().contiguous().t()
+        w13 = merged[E + 1 + 2 * S:].view(E, 2 * I, H)
+        lay.append((w13, w13.contiguous(), w_out[:, S:].T.view(E, I, H)))
+
+    def body(form):
+        def f(x, local, weights):
+            acc = x
+            for w13c, w13r, down in lay:
+                w13 = w13r if form == "row-major sum" else w13c
+                xs = acc.repeat_interleave(K, dim=0)
+                if form == "bmm":
+                    gu = torch.bmm(w13.index_select(0, local), xs[:, :, None])[:, :, 0]
+                else:
+                    gu = (w13.index_select(0, local) * xs[:, None, :]).sum(-1)
+                g, u = gu.chunk(2, dim=1)
+                a = ACTIVATIONS["silu"](g) * u * weights.reshape(K, 1)
+                if form == "bmm":
+                    y = torch.bmm(a[:, None, :], down.index_select(0, local))[:, 0]
+                else:
+                    y = (a[:, :, None] * down.index_select(0, local)).sum(1)
+                acc = acc + 1e-6 * y.sum(0, keepdim=True)
+            return acc
+        return f
+    x, local, w = torch.randn(1, H) * 0.01, torch.tensor([3, 6]), torch.rand(1, K)
+    forms = ["column-major sum", "row-major sum", "bmm"]
+    fns = {k: torch.compile(body(k), fullgraph=True) for k in forms}
+    with torch.inference_mode():
+        outs = {k: f(x, local, w) for k, f in fns.items()}
+        ts = {k: [] for k in fns}
+        for _ in range(rounds):
+            for k, f in fns.items():
+                for _ in range(10):
+                    f(x, local, w)
+                t = time.perf_counter()
+                for _ in range(reps):
+                    f(x, local, w)
+                ts[k].append((time.perf_counter() - t) / reps / layers * 1e6)
+    base = ts[forms[0]]
+    print(f"E={E} K={K} I={I} H={H}, one token, compiled, per layer: " + "  ".join(
+        f"{k} {statistics.median(v):.1f} us x{statistics.median(a / b for a, b in zip(v, base)):.2f} "
+        f"d={(outs[k] - outs[forms[0]]).abs().max().item():.0e}" for k, v in ts.items()))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--merged", action="store_true")
     p.add_argument("--grouped", action="store_true")
+    p.add_argument("--one-token", action="store_true")
     args = p.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -99,6 +156,8 @@ def main():
         return merged_vs_unmerged()
     if args.grouped:
         return dense_vs_grouped()
+    if args.one_token:
+        return one_token_compiled()
     for (E, K, I, S, H) in SHAPES:
         ms = {}
         for lay in ("w13 column-major", "w13 row-major"):
