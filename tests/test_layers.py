@@ -10,6 +10,7 @@
 - PartialRoPE over the whole head equals rotate_half on the first rot_dim dims, bit for bit.
 """
 
+import types
 import pytest
 import torch
 import torch.nn.functional as F
@@ -175,3 +176,14 @@ def test_grouped_path_of_tensor_parallel_shards_sums_to_the_whole(shared):
     m = shards[1]
     shared_only = linear(m._shared_act(m.project_in(x)), m.w_out[:, :m.shared_range[1]]) if shared else 0
     torch.testing.assert_close(parts[1], torch.zeros_like(x) + shared_only, rtol=1e-12, atol=1e-12)
+
+
+def test_grouped_rows_rule_leaves_a_fused_backend_on_its_kernel():
+    """The many-rows rule (grouped_rows) was measured against the torch dense path on CPU; a
+    fused expert kernel reads each touched expert once, so a 64-token step stays on it, and only
+    the old many-pairs rule (dense_limit) sends larger steps to the loop."""
+    moe = SparseMoE(hidden=32, num_experts=8, topk=2, intermediate=24, shared_intermediate=0,
+                    norm_topk=True, tp=TP.single())
+    assert [moe._path(T) for T in (63, 64, 129)] == ["dense", "grouped", "grouped"]
+    moe.ops = types.SimpleNamespace(fused_moe=True)
+    assert [moe._path(T) for T in (63, 64, 128, 129)] == ["sparse", "sparse", "sparse", "grouped"]

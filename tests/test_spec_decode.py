@@ -277,3 +277,34 @@ def test_verify_outcome_follows_the_accepted_tokens():
              for j in range(B)] for i in range(R)]
     assert nxt.view(R, B).tolist() == want
     assert last.tolist() == [i * B + int(num_emitted[i]) - 1 for i in range(R)]
+
+
+def test_eager_verify_steps_on_the_grouped_moe_path_keep_greedy_output(monkeypatch):
+    """float32, eager: 8 requests x bundle 8 make 64-token verify steps, which the embedded
+    model's MoE (8 experts, top 2) runs on its grouped path (SparseMoE.grouped_rows), while the
+    engine without drafts decodes 8-token steps that compute every expert; greedy output is the
+    same token for token."""
+    from mtpkit.layers.moe import SparseMoE
+    sizes = []
+    grouped = SparseMoE._grouped
+
+    def spy(self, x, h):
+        sizes.append(x.shape[0])
+        return grouped(self, x, h)
+    monkeypatch.setattr(SparseMoE, "_grouped", spy)
+    texts = [b"def add(a, b):\n    return", b"The quick brown fox", b"import torch\nx = torch.", b"for i in range(",
+             b"Once upon a time, there", b"class Point:\n    def", b"# Compute the mean of", b"SELECT name FROM"]
+    prompts = [list(t) for t in texts]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    outs = {}
+    for k in (0, 7):
+        llm = LLM("tiny-qwen3-next", num_spec=k, dtype="float32", enforce_eager=True, max_num_seqs=8,
+                  enable_prefix_caching=False)
+        sizes.clear()
+        outs[k] = [o.token_ids for o in llm.generate(prompts, params)]
+        if k:
+            assert 64 in sizes, f"no 64-token verify step took the grouped path: {sorted(set(sizes))}"
+            assert llm.stats.mean_acceptance_length > 2
+        else:
+            assert all(s > 64 for s in sizes), "without drafts only the prefill may loop over the experts"
+    assert outs[7] == outs[0]

@@ -36,6 +36,8 @@ Every kernel comes from `ops` (kernels/ops.py: the experts, the gated activation
 matmuls); a block built without ops runs the torch references.
 """
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -264,9 +266,10 @@ class SparseMoE(nn.Module):
         # with top 10 of 512 experts touches about half of them); the torch gather copies each
         # pair's expert, which pays only when the pairs are few against the experts.
         fused = self.fp8 is None and self.ops is not None and self.ops.fused_moe
-        if not capturing and (T * self.num_experts > self.dense_limit
-                              or T * self.topk >= self.grouped_rows * self.num_experts):
+        if not capturing and T * self.num_experts > self.dense_limit:
             return "grouped"
+        if not capturing and not fused and T * self.topk >= self.grouped_rows * self.num_experts:
+            return "grouped"   # (measured on CPU; a fused kernel reads each expert once anyway)
         share = self.compiled_sparse_share if torch.compiler.is_compiling() else self.sparse_share
         if fused or T * self.topk * share <= self.num_local:
             return "sparse"
@@ -340,7 +343,7 @@ class SparseMoE(nn.Module):
         pairs = order[lo:lo + sum(mine)]
         tok = pairs // K
         xs = x.index_select(0, tok)                                   # [pairs, H]
-        bounds = [sum(mine[:e]) for e in range(nl + 1)]                # expert e's run of pairs
+        bounds = [0, *itertools.accumulate(mine)]                      # expert e's run of pairs
         hit = [e for e in range(nl) if mine[e]]
         out = torch.zeros_like(x)
         if hit:   # (products concatenated, not written into slices with out=: training runs

@@ -60,6 +60,7 @@ class StateSave:
     entry: int
 
 
+# t stays plain Tensor: KV blocks, state slots or snapshot stores (no one shape name fits them).
 def _copy_rows(t: Tensor, pairs: list[tuple[int, int]]) -> None:
     """(t: any pool tensor whose first dim is its rows, KV blocks, state slots or snapshots, so
     no one shape name fits.) t[dst] = t[src] for each pair, in order: one indexed copy when no destination repeats
