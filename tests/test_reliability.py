@@ -461,3 +461,13 @@ def test_interrupt_while_queueing_a_call_queues_nothing(monkeypatch):
         llm.generate(PROMPTS, SP)
     assert fault.fired
     _assert_idle(llm)
+
+
+def test_requests_compare_by_identity():
+    """A Request is mutable engine state: the scheduler's and stream's membership tests compare
+    identities (a field-by-field __eq__ made them quadratic in a call's requests), and two
+    requests with the same fields are still two requests."""
+    from mtpkit.engine.request import Request
+
+    a, b = (Request(7, [1, 2, 3], SP, (0,), None) for _ in range(2))
+    assert a == a and a != b and len({a, b}) == 2 and [a].count(b) == 0
