@@ -54,7 +54,9 @@ DIMS: dict[str, str] = {
     "ctx_len": "context length attended over (cached prefix + new tokens)",
     "num_queries": "query tokens of one attention call: every token of the step, or one per request",
     "q_len": "query tokens per row of a uniform step or attention call: the bundle in a verify step, "
-             "1 in a drafter's one-token pass",
+             "1 in a drafter's one-token pass, a padded chunk's tokens in a captured prefill",
+    "row_slots": "recurrent-state slots of one row of a uniform step: its bundle slots (verify, a captured "
+                 "prefill's chunk), 1 in a drafter's one-token pass (unread there)",
     # model widths
     "hidden": "model hidden size",
     "vocab": "vocabulary size",

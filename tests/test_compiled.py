@@ -70,7 +70,8 @@ def _compiled(path, mode, **kw):
 
 def _compiled_names(llm) -> set[str]:
     g = llm.runner.graphs
-    graphs = list(g.verify_graphs.values()) + list(g.propose_graphs.values()) + list(g.prefill_graphs.values())
+    graphs = (list(g.verify_graphs.values()) + list(g.propose_graphs.values()) + list(g.prefill_proposal_graphs.values())
+              + list(g.prefill_graphs.values()))
     assert all(isinstance(x, LazyCompiled) for x in graphs if x is not None)
     assert not [r for r in g.compiler.records if r.error], g.compiler.records
     return {r.name for r in g.compiler.records}
@@ -95,12 +96,23 @@ def test_dynamo_capture_equals_trace_and_eager(qwen, reference, dynamo_only, mon
     assert "compiled by inductor" in g.describe()
 
 
+def test_dynamo_capture_of_every_graph_at_once(qwen, reference, dynamo_only, monkeypatch):
+    """compile_after=0: every graph compiled at its first replay, the target's prefill too (its
+    16-token step must take the MoE's fixed-shape path under capture: dense_limit 0 would send an
+    eager step of that size to the grouped one); tokens equal eager's."""
+    eager, _ = reference
+    monkeypatch.setattr(SparseMoE, "dense_limit", 0)
+    out, llm = _compiled(qwen, "inductor", num_spec=3)
+    assert _compiled_names(llm) == {"verify_1_64", "propose_1_64", "prefill_proposal_16_1_64", "prefill_16_64"}
+    assert out == eager
+
+
 @REAL
 def test_inductor_equals_trace_and_eager(qwen, reference):
     eager, traced = reference
     assert traced == eager
     out, llm = _compiled(qwen, "inductor", num_spec=3)
-    assert _compiled_names(llm) == {"verify_1_64", "propose_1_64", "prefill_proposal_16_1_64"}
+    assert _compiled_names(llm) == {"verify_1_64", "propose_1_64", "prefill_proposal_16_1_64", "prefill_16_64"}
     assert out == eager
     assert "compiled by inductor" in llm.runner.graphs.describe()
 
@@ -111,9 +123,9 @@ def test_aot_packages_equal_eager_and_load_from_the_cache(qwen, reference, tmp_p
     eager, _ = reference
     cache = tmp_path_factory.mktemp("aot")
     out, llm = _compiled(qwen, mode, num_spec=3, compile_cache_dir=cache)
-    assert _compiled_names(llm) == {"verify_1_64", "propose_1_64", "prefill_proposal_16_1_64"}
+    assert _compiled_names(llm) == {"verify_1_64", "propose_1_64", "prefill_proposal_16_1_64", "prefill_16_64"}
     assert out == eager
-    assert len(list(cache.glob("*.pt2"))) == 3
+    assert len(list(cache.glob("*.pt2"))) == 4
     warm, llm = _compiled(qwen, mode, num_spec=3, compile_cache_dir=cache)
     assert warm == eager
     assert all(r.cached for r in llm.runner.graphs.compiler.records)
@@ -146,7 +158,7 @@ def test_gemma4_without_drafts(tmp_path_factory, dynamo_only):
     llm = LLM(path, compile="inductor", compile_after=0, **F64)
     llm.runner.graphs.trace_after = 0
     assert llm.generate([prompt], SP)[0].token_ids == eager
-    assert _compiled_names(llm) == {"verify_1_64"}
+    assert _compiled_names(llm) == {"verify_1_64", "prefill_16_64"}   # its prefill too (gemma4: a uniform row)
 
 
 @pytest.mark.parametrize("kw", [dict(compile="jit"), dict(compile="inductor", compile_after=-1)])

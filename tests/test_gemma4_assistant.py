@@ -290,7 +290,7 @@ def test_graphs_equal_eager(pairs, name, ordered):
     assert (g.stats.accepted_per_position, g.stats.num_drafted) == (e.stats.accepted_per_position, e.stats.num_drafted)
     assert g.stats.num_accepted > 0
     runner = g.runner.graphs
-    assert runner.trace and any(f is not None for f in runner.propose_graphs.values()) and runner.prefill_graphs
+    assert runner.trace and any(f is not None for f in runner.propose_graphs.values()) and runner.prefill_proposal_graphs
     assert (4, 64) in runner.verify_graphs, "three requests were meant to run padded to four rows"
 
 

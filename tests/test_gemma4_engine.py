@@ -120,3 +120,23 @@ def test_preemption_sampling_streaming_and_debug_mode(checkpoints):
         assert [o.token_ids for o in dbg.generate(prompts[:2], greedy)] == ref["greedy"][:2]
     called = set(trace.functions())
     assert {"per_layer_inputs", "compute_logits"} <= {f.rsplit(".", 1)[-1] for f in called}, sorted(called)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_captured_prefill_equals_eager(checkpoints, name):
+    """One prompt per call: every prefill step holds one chunk and replays the traced prefill
+    (CapturedSteps.prefill: the chunk padded at its end to 16 tokens, a uniform step of one row
+    through the sliding and full attention, MoE, per-layer inputs, shared KV), the 30-token
+    prompt as 16 + 14 (the second chunk attends over the first's KV)."""
+    from mtpkit.shapes import is_debug
+
+    def run(**kw):
+        llm = LLM(checkpoints / name, **F64, **kw)
+        if llm.runner.graphs is not None:
+            llm.runner.graphs.trace_after = 0
+        sp = SamplingParams(max_tokens=8, ignore_eos=True)
+        return [llm.generate([p], sp)[0].token_ids for p in _prompts()], llm
+    eager, _ = run(enforce_eager=True)
+    graphs, llm = run()
+    assert graphs == eager
+    assert sorted(llm.runner.graphs.prefill_graphs) == ([] if is_debug() else [(16, 64, 0)])

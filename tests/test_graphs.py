@@ -64,7 +64,7 @@ def test_graph_path_equals_eager(ckdir, k, n, padded, trace_after):
     assert all(isinstance(key, tuple) and key[1] >= 64 for key in traced)
     # The MTP proposal after a prefill runs traced too: tokens padded to a power of two (>= 16),
     # rows padded like a decode step.
-    proposals = list(llm.runner.graphs.prefill_graphs)
+    proposals = list(llm.runner.graphs.prefill_proposal_graphs)
     assert bool(proposals) == (trace_after == 0 and k >= 1 and not is_debug()), proposals
     assert all(t >= 16 and t & (t - 1) == 0 and n in llm.engine.capture_plan.sizes for t, n, _ in proposals)
     verify = [s for s in steps if s[0] == "verify"]
@@ -85,7 +85,7 @@ def test_failed_trace_falls_back_to_direct_calls(ckdir, monkeypatch):
     with pytest.warns(RuntimeWarning, match="tracing a CPU decode graph failed.*no tracer here"):
         graph, llm, _ = _run(path, prompts, num_spec=2, max_num_seqs=8)
     g = llm.runner.graphs
-    assert graph == eager and not g.trace and not g.verify_graphs and not g.prefill_graphs
+    assert graph == eager and not g.trace and not g.verify_graphs and not g.prefill_proposal_graphs
 
 
 def test_large_steps_keep_a_fixed_shape_moe_path(ckdir, monkeypatch):
@@ -290,7 +290,7 @@ def test_graph_path_proposes_the_drafts_of_eager():
     eager_out, eager_drafts, _ = run(enforce_eager=True)
     graph_out, graph_drafts, llm = run()
     g = llm.runner.graphs
-    assert g.trace and g.propose_graphs and g.prefill_graphs or is_debug()
+    assert g.trace and g.propose_graphs and g.prefill_proposal_graphs or is_debug()
     assert graph_out == eager_out
     assert graph_drafts == eager_drafts
     assert llm.stats.mean_acceptance_length > 2.5  # drafts worth comparing
@@ -312,3 +312,50 @@ def test_a_dropped_engine_frees_its_traced_graphs_and_weights():
     gc.collect()
     assert len(torch.jit._state._python_cu.get_functions()) == before
     assert not [w for w in weights if w() is not None], "weights kept alive after the engine was dropped"
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_captured_prefill_equals_eager(ckdir, k):
+    """One prompt per call, so every prefill step holds one chunk and replays the traced prefill
+    (CapturedSteps.prefill: the chunk padded at its end to a power of two >= 16, keyed by tokens
+    and context bucket). 16-token chunks: a 44-token prompt prefills as 16 + 16 + 12 (later chunks
+    read the KV and recurrent state the earlier left), a 1-token prompt pads 15 tokens. Prefix
+    cache off: a step that writes state snapshots runs eager (below). The layers at full scale
+    (eps 1): the output depends on the state and KV the earlier chunks left."""
+    path = _ck(str(ckdir), eps=1.0)
+    prompts = oracle.random_prompts(4, 256, seed=11, lengths=[1, 9, 30, 44])
+
+    def run(**kw):
+        llm = _traced_from_start(LLM(path, max_model_len=128, num_spec=k, max_num_batched_tokens=16,
+                                     enable_prefix_caching=False, **F64, **kw))
+        sp = SamplingParams(max_tokens=10, ignore_eos=True)
+        return [llm.generate([p], sp)[0].token_ids for p in prompts], llm
+    eager, _ = run(enforce_eager=True)
+    graph, llm = run()
+    assert graph == eager
+    assert sorted(llm.runner.graphs.prefill_graphs) == ([] if is_debug() else [(16, 64, 0)])
+
+
+def test_captured_prefill_writes_the_state_snapshots(ckdir):
+    """With the prefix cache on (snapshots every 16 tokens), a prefill writes state snapshots
+    inside its chunk: the captured prefill writes them too (a graph per snapshot count). A second
+    prompt sharing the first's 48-token prefix resumes from one of them: tokens equal eager's
+    without the cache, and it hits as much of the cache as an eager engine's with it."""
+    path = _ck(str(ckdir), eps=1.0)
+    first = oracle.random_prompts(1, 256, seed=12, lengths=[52])[0]
+    second = first[:48] + oracle.random_prompts(1, 256, seed=13, lengths=[9])[0]
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    def run(**kw):
+        llm = _traced_from_start(LLM(path, max_model_len=128, num_spec=2, prefix_snapshot_interval=16, **F64, **kw))
+        snapshots = []
+        orig = llm.runner.execute
+        llm.runner.execute = lambda plan: (snapshots.append(len(plan.snapshots)), orig(plan))[1]
+        return [llm.generate([p], sp)[0] for p in (first, second)], llm, snapshots
+    uncached, _, _ = run(enforce_eager=True, enable_prefix_caching=False)
+    eager, _, _ = run(enforce_eager=True)
+    outs, llm, snapshots = run()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager] == [o.token_ids for o in uncached]
+    assert [o.num_cached_tokens for o in outs] == [o.num_cached_tokens for o in eager] and outs[1].num_cached_tokens
+    assert snapshots[0] == 3
+    assert is_debug() or (64, 64, 3) in llm.runner.graphs.prefill_graphs

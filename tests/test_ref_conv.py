@@ -176,3 +176,39 @@ def test_debug_mode_checks_shapes():
             causal_conv1d_verify(vargs[0], torch.zeros(C + 1, W), *vargs[2:])
         with pytest.raises(shapes.ShapeError):  # prev_num_emitted must be integers
             causal_conv1d_verify(*vargs[:4], torch.tensor([3.0, 1.0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("num_spec", [0, 2])
+def test_prefill_rows_equal_the_varlen_prefill(dtype, num_spec):
+    """causal_conv1d_prefill_rows (a captured prefill: chunks padded at their ends to one length)
+    gives the varlen prefill's outputs at the real tokens, leaves the same slots whatever the
+    padding holds, and writes the same state snapshots; a row with initial state reads its
+    window, one without never does."""
+    from mtpkit.kernels.conv import causal_conv1d_prefill_rows
+    from mtpkit.step.metadata import StateSnapshots
+
+    T, lens, slots, init = 32, [19, 3, 32], [3, 1, 4], [True, False, True]
+    x, w = data(T * 3, dtype, seed=5)
+    state = torch.randn(5, C, W - 1 + num_spec, dtype=dtype)
+    state[1] = float("nan")                            # no initial state: never read
+    ref_state = state.clone()
+    wanted = [(0, 1, 2), (0, 18, 0), (1, 2, 3), (2, 30, 1)]   # (row, position in its chunk, snapshot id)
+
+    def snaps(start):
+        return StateSnapshots(rows=torch.tensor([r for r, _, _ in wanted]),
+                              token_index=torch.tensor([start[r] + p for r, p, _ in wanted]),
+                              ids=torch.tensor([i for _, _, i in wanted]))
+    store = torch.zeros(4, C, W - 1 + num_spec, dtype=dtype)
+    ref_store = store.clone()
+    real = torch.cat([x[i * T:i * T + n] for i, n in enumerate(lens)])
+    ref = causal_conv1d_prefill(real, w, ref_state, torch.tensor([0, 19, 22, 54]), torch.tensor(slots),
+                                torch.tensor(init), snapshots=snaps([0, 19, 22]), snapshot_state=ref_store)
+    got_state = state.clone()
+    out = causal_conv1d_prefill_rows(x, w, got_state, torch.tensor(slots), torch.tensor(init), torch.tensor(lens),
+                                     snapshots=snaps([0, T, 2 * T]), snapshot_state=store)
+    got = torch.cat([out[i * T:i * T + n] for i, n in enumerate(lens)])
+    torch.testing.assert_close(got, ref, **TOL[dtype])
+    torch.testing.assert_close(got_state, ref_state, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(store, ref_store, atol=0, rtol=0)
+    assert torch.isfinite(out).all()

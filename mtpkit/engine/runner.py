@@ -1,6 +1,8 @@
 """Runs one scheduled step: metadata -> model -> generation controls -> sampler / rejection -> drafter.
 
-Prefill steps run eager. A verify step and the drafter's proposals run the step bodies
+Prefill steps run eager, except on CPU graphs a step of one chunk without state snapshots, which
+replays a traced (or compiled) prefill once its size is used often (CapturedSteps.prefill). A verify
+step and the drafter's proposals run the step bodies
 (engine/step_bodies.py), written once: called on the step's own tensors under enforce_eager,
 otherwise captured and replayed on static buffers by graphs/captured.py (CapturedSteps, handed
 the same bodies); padded rows are inert by construction.
@@ -107,7 +109,11 @@ class ModelRunner:
                   for r, n in zip(reqs, plan.chunk_lens)]
         token_ids, positions, meta = build_prefill(chunks, self.cfg.block_size, self.cfg.max_blocks, self.device,
                                                    plan.snapshots)
-        hidden = self.model(token_ids, positions, meta, self.cache)
+        # CPU graphs: a one-chunk step replays a traced / compiled prefill once its size is used often
+        # (CapturedSteps.prefill; None: eager, as every other prefill runs).
+        hidden = None if self.graphs is None else self.graphs.prefill(token_ids, positions, meta, chunks[0].start)
+        if hidden is None:
+            hidden = self.model(token_ids, positions, meta, self.cache)
         finishing = [i for i, (r, n) in enumerate(zip(reqs, plan.chunk_lens)) if r.num_computed + n == r.prefill_target]
         results = [ReqResult([], 1, 0, []) for _ in reqs]
         self._prompt_logprobs(plan, hidden, results)

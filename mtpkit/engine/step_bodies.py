@@ -9,6 +9,8 @@
 - `controls`: the generation controls' graph-safe part (sampling/controls.apply_controls) on
   the verify body's logits, the drafts it verified and the controls' tables; replayed after
   `verify` only in a step where some row uses a control;
+- `prefill`: the target's forward over prefill chunks padded to one length (a captured prefill on
+  CPU: step.metadata.PrefillRows; other prefills call the model on their own metadata, eager);
 - `prefill_proposal`: the proposal after a prefill, for the prompts that finished; `observe`:
   a prefill chunk that samples nothing, for a drafter with its own KV (eager only).
 
@@ -19,12 +21,14 @@ that depend on data, nothing a trace would freeze. Inside a body the real row co
 known (a graph replays for any count up to its size): its metadata says `num_reqs` None.
 """
 
+import torch
+
 from mtpkit.sampling.controls import apply_controls
 from mtpkit.sampling.rejection import greedy_verify
 from mtpkit.shapes import Bool, Float, Int, Tensor, checked
 from mtpkit.step.cache import CacheTensors
 from mtpkit.step.draft import Drafter, DraftMasks, draft_inputs, verify_outcome
-from mtpkit.step.metadata import PrefillMetadata, UniformMetadata, uniform_metadata
+from mtpkit.step.metadata import PrefillMetadata, PrefillRows, StateSnapshots, UniformMetadata, uniform_metadata
 
 
 class StepBodies:
@@ -70,6 +74,32 @@ class StepBodies:
         n = seq_lens.shape[0]
         greedy = greedy_verify(logits.view(n, self.bundle, -1), token_ids.view(n, self.bundle)[:, 1:], draft_limit)
         return hidden, logits, greedy
+
+    @checked
+    def prefill(
+        self, max_seq_len: int,
+        token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
+        slot_mappings: Int[Tensor, "kv_pools num_tokens"], seq_lens: Int[Tensor, "num_reqs_padded"],
+        block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"],
+        state_slots: Int[Tensor, "num_reqs_padded row_slots"], num_real: Int[Tensor, "num_reqs_padded"],
+        has_initial_state: Bool[Tensor, "num_reqs_padded"], cache: CacheTensors,
+        snapshot_rows: Int[Tensor, "num_snapshots"] | None = None,
+        snapshot_index: Int[Tensor, "num_snapshots"] | None = None,
+        snapshot_ids: Int[Tensor, "num_snapshots"] | None = None,
+    ) -> Float[Tensor, "num_tokens hidden"]:
+        """A prefill step whose rows are chunks padded at their ends to one length (a captured
+        prefill: step.metadata.PrefillRows; `seq_lens` count the padding, `num_real` the chunks'
+        tokens): the target's final hidden states at every position, the padding's finite values
+        nothing reads. Writes the chunks' KV and state like an eager prefill, and the state
+        snapshots given (StateSnapshots' fields; token indices into the padded rows)."""
+        n = seq_lens.shape[0]
+        snaps = None if snapshot_ids is None else StateSnapshots(rows=snapshot_rows, token_index=snapshot_index,
+                                                                 ids=snapshot_ids)
+        meta = uniform_metadata(seq_lens, block_tables, slot_mappings, state_slots, torch.ones_like(num_real),
+                                q_len=token_ids.shape[0] // n, max_seq_len=max_seq_len,
+                                prefill=PrefillRows(num_real=num_real, has_initial_state=has_initial_state,
+                                                    snapshots=snaps))
+        return self.model(token_ids, positions, meta, cache)
 
     @checked
     def controls(

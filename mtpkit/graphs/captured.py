@@ -17,6 +17,9 @@ padded rows neutral) and the controls' tables (read in place); captured / traced
 first needs it, like the others. A step without controls never replays it.
 A proposal with grammar masks (structured outputs' constrained rows: each pass's mask needs the
 previous pass's drafts on the host) calls the propose body directly on the same buffers.
+On CPU, a prefill step of one chunk (without state snapshots) replays the prefill body, the
+target's forward over the chunk padded at its end to a power of two (step.metadata.PrefillRows),
+traced per (tokens, context bucket) like the proposal after a prefill (`prefill`).
 
 How a graph is captured and replayed depends on the device:
 - CUDA: warm up, capture largest size first into one shared memory pool, replay.
@@ -43,6 +46,7 @@ import warnings
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from mtpkit.step.metadata import PrefillMetadata, UniformRow, build_uniform
 from mtpkit.config import EngineConfig
@@ -79,6 +83,10 @@ class Bodies(Protocol):
                 seq_lens, block_tables, state_slots, prev_num_emitted, cache: CacheTensors,
                 draft_masks: DraftMasks | None = None) -> Tensor: ...
 
+    def prefill(self, max_seq_len: int, token_ids, positions, slot_mappings, seq_lens, block_tables, state_slots,
+                num_real, has_initial_state, cache: CacheTensors, snapshot_rows=None, snapshot_index=None,
+                snapshot_ids=None) -> Tensor: ...
+
     def prefill_proposal(self, max_seq_len: int, hidden, token_ids, next_tokens, positions, slot_mappings,
                          last_idx, block_tables, cache: CacheTensors, meta: PrefillMetadata | None = None,
                          draft_masks: DraftMasks | None = None) -> Tensor: ...
@@ -87,7 +95,7 @@ class Bodies(Protocol):
 
 
 # Tensor arguments of each body before the cache's (StaticBuffers.verify_inputs for verify).
-VERIFY_INPUTS, PROPOSE_INPUTS, PREFILL_INPUTS = 8, 10, 7
+VERIFY_INPUTS, PROPOSE_INPUTS, PREFILL_PROPOSAL_INPUTS, PREFILL_INPUTS = 8, 10, 7, 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +255,9 @@ class CapturedSteps:
         self.pool = None
         self._last: LastVerify | None = None
         self._uses: dict = {}             # CPU: replays of each (n, context) so far
-        self.prefill_graphs: dict = {}    # CPU: (tokens, n, context) -> traced proposal after a prefill
+        self.prefill_proposal_graphs: dict = {}    # CPU: (tokens, n, context) -> traced proposal after a prefill
+        self._prefill_proposal_uses: dict = {}
+        self.prefill_graphs: dict = {}    # CPU: (tokens, context) -> the traced target forward of a prefill
         self._prefill_uses: dict = {}
         self.control_graphs: dict = {}    # n -> CUDA graph / traced controls body
         self._control_uses: dict = {}
@@ -269,8 +279,18 @@ class CapturedSteps:
     def _propose_fn(self, max_seq_len: int):
         return self._flat(self.bodies.propose, max_seq_len, PROPOSE_INPUTS)
 
-    def _prefill_fn(self, max_seq_len: int):
-        return self._flat(self.bodies.prefill_proposal, max_seq_len, PREFILL_INPUTS)
+    def _prefill_fn(self, max_seq_len: int, snapshots: bool):
+        """With `snapshots`: three more inputs (the snapshots' rows, token indices and ids) and the
+        snapshot store's tensors after the cache's, which the graph writes."""
+        if not snapshots:
+            return self._flat(self.bodies.prefill, max_seq_len, PREFILL_INPUTS)
+        n = PREFILL_INPUTS + 3
+        return lambda *args: self.bodies.prefill(max_seq_len, *args[:PREFILL_INPUTS],
+                                                 self.cache.with_tensors(args[n:], with_snapshots=True),
+                                                 *args[PREFILL_INPUTS:n])
+
+    def _prefill_proposal_fn(self, max_seq_len: int):
+        return self._flat(self.bodies.prefill_proposal, max_seq_len, PREFILL_PROPOSAL_INPUTS)
 
     # The argument tuples are the same views of the same buffers and cache tensors every step
     # (what a CUDA graph's capture relies on too): made once per size.
@@ -449,6 +469,60 @@ class CapturedSteps:
                                    *buf.inputs(n, B), self.cache)[:R]
 
     @checked
+    def prefill(self, token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],
+                meta: PrefillMetadata, chunk_start: int) -> Float[Tensor, "num_tokens hidden"] | None:
+        """CPU: the target's forward over a prefill step of one chunk (`chunk_start`: the tokens
+        before it), traced like a decode step (the prefill body: step.metadata.PrefillRows):
+        tokens padded at the end to a power of two (at least 16; the padding leaves the recurrent
+        state as the chunk's last token left it), keyed by (tokens, context
+        bucket, state snapshots written), traced after its first `trace_after` uses. None where
+        the caller runs the model eager: before that, or a step of several chunks, longer than
+        MAX_TRACED_PREFILL or past the block table, on CUDA, TP, a non-torch backend, debug mode."""
+        T = token_ids.shape[0]
+        if not self.trace or is_debug() or meta.num_reqs != 1 or T > MAX_TRACED_PREFILL:
+            return None
+        T_pad = max(16, 1 << (T - 1).bit_length())
+        end = chunk_start + T_pad
+        if end > self.cfg.max_blocks * self.cfg.block_size:
+            return None
+        snaps = meta.snapshots
+        S = 0 if snaps is None else snaps.ids.shape[0]
+        key = (T_pad, self.context_bucket(end), S)
+        uses = self._prefill_uses[key] = self._prefill_uses.get(key, 0) + 1
+        fn = self.prefill_graphs.get(key)
+        if fn is None and uses <= self.trace_after:
+            return None
+        pad = T_pad - T
+        ints = dict(dtype=torch.int64, device=token_ids.device)
+        # (one chunk: a snapshot's token index into the step is its position in the padded row too)
+        snap_args = () if not S else (snaps.rows, snaps.token_index, snaps.ids)
+        cache = self._cache_tensors() + (self.cache.snapshot_tensors() if S else ())
+        if fn is None:   # traced on an inert row (the null block and slot), like the decode graphs
+            P, nslots = meta.slot_mappings.shape[0], meta.state_slots.shape[1]
+            inert = (torch.zeros(T_pad, **ints), torch.arange(T_pad, **ints), torch.zeros(P, T_pad, **ints),
+                     torch.full((1,), T_pad, **ints), torch.zeros_like(meta.block_tables), torch.zeros(1, nslots, **ints),
+                     torch.full((1,), T_pad, **ints), torch.zeros(1, dtype=torch.bool, device=token_ids.device))
+            # (snapshots: the ids this step writes anyway, which its replay below then writes right)
+            inert_snaps = () if not S else (torch.zeros(S, **ints), torch.zeros(S, **ints), snaps.ids)
+            name = f"prefill_{T_pad}_{key[1]}" + (f"_snapshots{S}" if S else "")
+            try:
+                fn = self.prefill_graphs[key] = self._trace(self._prefill_fn(key[1], bool(S)),
+                                                            inert + inert_snaps + cache, name)
+            except Exception as e:  # noqa: BLE001 - the caller runs the model eager
+                self._trace_failed(e)
+                return None
+        # The padding's K/V go to the slots of its positions, as a verify step's drafts do: the
+        # attention gathers every position up to the padded end (through the block table: the
+        # row's own blocks, the null block past them), so no query reads a slot this step did not
+        # write, and the row's later tokens overwrite them before anything keys their block.
+        after = torch.arange(chunk_start + T, end, **ints)
+        bs = self.cfg.block_size
+        slots = torch.cat([meta.slot_mappings, meta.block_tables[:, 0, after // bs] * bs + after % bs], dim=1)
+        return fn(F.pad(token_ids, (0, pad)), torch.arange(chunk_start, end, **ints), slots,
+                  torch.full((1,), end, **ints), meta.block_tables, meta.state_slots, torch.full((1,), T, **ints),
+                  meta.has_initial_state, *snap_args, *cache)[:T]
+
+    @checked
     def prefill_proposal(
         self, max_seq_len: int,
         hidden: Float[Tensor, "num_tokens hidden"], token_ids: Int[Tensor, "num_tokens"],
@@ -470,8 +544,8 @@ class CapturedSteps:
             return self.bodies.prefill_proposal(max_seq_len, *step, self.cache, meta, draft_masks)
         T_pad, n, context = max(16, 1 << (T - 1).bit_length()), self.plan.dispatch(R), self.context_bucket(max_seq_len)
         key = (T_pad, n, context)
-        uses = self._prefill_uses[key] = self._prefill_uses.get(key, 0) + 1
-        fn = self.prefill_graphs.get(key)
+        uses = self._prefill_proposal_uses[key] = self._prefill_proposal_uses.get(key, 0) + 1
+        fn = self.prefill_proposal_graphs.get(key)
 
         def pad(x, size, dim=0):
             if x.shape[dim] == size:
@@ -484,7 +558,7 @@ class CapturedSteps:
             inert = (hidden.new_zeros(T_pad, hidden.shape[1]),) + tuple(last_idx.new_zeros(T_pad) for _ in range(3)) + (
                 last_idx.new_zeros(P, T_pad), last_idx.new_zeros(n), block_tables.new_zeros(P, n, block_tables.shape[2]))
             try:
-                fn = self.prefill_graphs[key] = self._trace(self._prefill_fn(context), inert + self.cache.tensors(),
+                fn = self.prefill_proposal_graphs[key] = self._trace(self._prefill_proposal_fn(context), inert + self.cache.tensors(),
                                                             f"prefill_proposal_{T_pad}_{n}_{context}")
             except Exception as e:  # noqa: BLE001 - the direct call below needs no tracer
                 self._trace_failed(e)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from mtpkit.shapes import Bool, Float, Int, Tensor, checked
 from mtpkit.step.metadata import StateSnapshots
 
-__all__ = ["causal_conv1d_prefill", "causal_conv1d_verify", "write_conv_snapshots"]
+__all__ = ["causal_conv1d_prefill", "causal_conv1d_prefill_rows", "causal_conv1d_verify", "write_conv_snapshots"]
 
 
 def _compute_dtype(x: Float[Tensor, "..."]) -> torch.dtype:  # any shape: reads the dtype only
@@ -97,6 +97,41 @@ def causal_conv1d_prefill(
     if new_states:
         conv_state[slots.long()] = torch.stack(new_states).to(conv_state.dtype)
     return out.to(x.dtype)
+
+
+@checked
+def causal_conv1d_prefill_rows(
+    x: Float[Tensor, "num_tokens conv_dim"],
+    weight: Float[Tensor, "conv_dim conv_width"],
+    conv_state: Float[Tensor, "num_slots conv_dim conv_state_len"],
+    slots: Int[Tensor, "num_reqs_padded"],
+    has_initial_state: Bool[Tensor, "num_reqs_padded"],
+    num_real: Int[Tensor, "num_reqs_padded"],
+    snapshots: StateSnapshots | None = None,
+    snapshot_state: Float[Tensor, "snapshot_slots conv_dim conv_state_len"] | None = None,
+) -> Float[Tensor, "num_tokens conv_dim"]:
+    """causal_conv1d_prefill over rows of equal length (a captured prefill:
+    step.metadata.PrefillRows): row i owns tokens [i*q_len, (i+1)*q_len), the first num_real[i]
+    its chunk, the rest padding after it (which no real token's output reads: the conv is causal).
+    The slot keeps what a prefill of the real tokens leaves: the last conv_state_len columns of
+    [window, real inputs], gathered at num_real on the device (no host read: traceable);
+    `snapshots` (token_index into these padded rows) as causal_conv1d_prefill's."""
+    cd = _compute_dtype(x)
+    W, L = weight.shape[1], conv_state.shape[2]
+    R = slots.shape[0]
+    T = x.shape[0] // R
+    has_init = has_initial_state.to(conv_state.device)
+    windows = conv_state[torch.where(has_init, slots, 0), :, L - (W - 1):].to(cd)
+    windows = torch.where(has_init[:, None, None], windows, 0)
+    seq = torch.cat([windows, x.to(cd).view(R, T, -1).transpose(1, 2)], dim=2)   # [R, C, W-1+T]
+    out = (_conv_silu_taps if T >= 16 else _conv_silu)(seq, weight)                 # [R, C, T]
+    if snapshots is not None:   # rows of T tokens: row i starts at token i*T
+        write_conv_snapshots(x.to(cd), windows, torch.arange(R + 1, device=x.device) * T, snapshots, snapshot_state)
+    # [zeros(L) | window | inputs]: the last L columns of [window, the first n inputs] start at W-1+n.
+    ext = F.pad(seq, (L, 0))
+    cols = (W - 1 + num_real)[:, None] + torch.arange(L, device=x.device)          # [R, L]
+    conv_state[slots] = ext.gather(2, cols[:, None, :].expand(R, ext.shape[1], L)).to(conv_state.dtype)
+    return out.transpose(1, 2).reshape(R * T, -1).to(x.dtype)
 
 
 @checked

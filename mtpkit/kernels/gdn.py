@@ -21,7 +21,7 @@ from mtpkit.step.metadata import StateSnapshots
 
 __all__ = [
     "gdn_recurrent_core", "gdn_chunked_core", "gdn_prepare",
-    "gated_delta_rule_prefill", "gated_delta_rule_verify",
+    "gated_delta_rule_prefill", "gated_delta_rule_prefill_rows", "gated_delta_rule_verify",
 ]
 
 
@@ -65,6 +65,7 @@ def gdn_chunked_core(
     chunk_size: int = 64,
     snap_at: Sequence[int] = (),
     snaps: list | None = None,
+    snap_index: Int[Tensor, "num_snapshots v_heads"] | None = None,
 ) -> tuple[Float[Tensor, "seq_len v_heads v_dim"], Float[Tensor, "v_heads k_dim v_dim"]]:
     """The same recurrence, chunk by chunk (UT-transform / WY form), exact up to rounding.
 
@@ -82,6 +83,9 @@ def gdn_chunked_core(
     (compute dtype), by the last line truncated at t: S_t = exp(G_t) S0 + sum_{j<=t}
     exp(G_t - G_j) k_j u_j^T (u_j for j <= t does not depend on later tokens), so a state
     inside a chunk is exact like the one at its end (the same expression there).
+    snap_index (a tensor, so a trace or compiled graph holds it for any values): the state of
+    every head after token snap_index[s, h], the same expression computed in every chunk and kept
+    where the token falls in it; appended to `snaps` as one [num_snapshots, heads, dk, dv] tensor.
     """
     cd = _compute_dtype(q, k, v, initial_state)
     # Head-major: every per-chunk product below is a batched matmul over heads.
@@ -90,6 +94,7 @@ def gdn_chunked_core(
     state = initial_state.to(cd).clone()
     seq_len = q.shape[1]
     o = q.new_empty(q.shape[0], seq_len, v.shape[-1])
+    at = None if snap_index is None else state.new_zeros((snap_index.shape[0],) + tuple(state.shape))
     for start in range(0, seq_len, chunk_size):
         sl = slice(start, min(start + chunk_size, seq_len))
         qc, kc, vc, bc = q[:, sl], k[:, sl], v[:, sl], beta[:, sl]
@@ -116,8 +121,18 @@ def gdn_chunked_core(
             inner = (G[:, t:t + 1] - G[:, :t + 1]).exp()  # exp(G_t - G_j), j <= t
             snaps.append(G[:, t].exp()[:, None, None] * state
                          + (inner[:, :, None] * kc[:, :t + 1]).transpose(-1, -2) @ u[:, :t + 1])
+        if at is not None:
+            t = (snap_index - start).clamp(0, c - 1)[..., None]                          # [S, H, 1]
+            Gt = G.expand(t.shape[0], -1, -1).gather(-1, t)                              # G_t, [S, H, 1]
+            later = torch.arange(c, device=q.device) > t                                  # j > t: not yet
+            inner = (Gt - G).masked_fill(later, float("-inf")).exp()                     # [S, H, c]
+            s_t = Gt[..., None].exp() * state + torch.einsum("shc,hck,hcv->shkv", inner, kc, u)
+            inside = (snap_index >= start) & (snap_index < sl.stop)
+            at = torch.where(inside[..., None, None], s_t, at)
         tail = (G[:, -1:] - G).exp()  # exp(G_last - G_j)
         state = G[:, -1].exp()[:, None, None] * state + (tail[:, :, None] * kc).transpose(-1, -2) @ u
+    if at is not None:
+        snaps.append(at)
     return o.transpose(0, 1), state
 
 
@@ -144,7 +159,9 @@ def gdn_prepare(
     q, k = q.to(dtype), k.to(dtype)
     q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    q = q * q.shape[-1] ** -0.5
+    # The scale as a tensor of the compute dtype: under torch.jit.trace q.shape[-1] is a traced int
+    # tensor, and `** -0.5` of it would be computed in float32 (1e-8 relative error in an fp64 graph).
+    q = q * torch.full((), q.shape[-1], dtype=dtype, device=q.device).rsqrt()
     # Value head h reads key head h // r (the checkpoint groups value heads per key head).
     r = v_heads // k_heads
     q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
@@ -217,6 +234,58 @@ def gated_delta_rule_prefill(
     return out.to(v.dtype)
 
 
+@checked
+def gated_delta_rule_prefill_rows(
+    q: Float[Tensor, "num_tokens k_heads k_dim"],
+    k: Float[Tensor, "num_tokens k_heads k_dim"],
+    v: Float[Tensor, "num_tokens v_heads v_dim"],
+    a: Float[Tensor, "num_tokens v_heads"],
+    b: Float[Tensor, "num_tokens v_heads"],
+    A_log: Float[Tensor, "v_heads"],
+    dt_bias: Float[Tensor, "v_heads"],
+    ssm_state: Float[Tensor, "num_slots v_heads k_dim v_dim"],
+    slots: Int[Tensor, "num_reqs_padded"],
+    has_initial_state: Bool[Tensor, "num_reqs_padded"],
+    num_real: Int[Tensor, "num_reqs_padded"],
+    chunk_size: int = 64,
+    snapshots: StateSnapshots | None = None,
+    snapshot_state: Float[Tensor, "snapshot_slots v_heads k_dim v_dim"] | None = None,
+) -> Float[Tensor, "num_tokens v_heads v_dim"]:
+    """A prefill over rows of equal length (a captured prefill: step.metadata.PrefillRows): row i
+    owns tokens [i*q_len, (i+1)*q_len), of which the first num_real[i] are its chunk and the rest
+    padding; it starts from ssm_state[slots[i]] (zeros when not has_initial_state[i]) and leaves
+    the state after its last real token there. The padding gets g = 0 (no decay) and beta = 0 (no
+    write), which leaves the state exactly as the last real token left it (as `_prefill_padded`
+    pads rows): no host read, so a trace or a compiled graph holds it for any num_real.
+    `snapshots` (token_index into these padded rows): the state after each snapshot's token goes to
+    snapshot_state[its id] too, also without a host read. Returns the core output in v's dtype
+    (padding positions: finite values nothing reads)."""
+    R = slots.shape[0]
+    T = q.shape[0] // R
+    cd = _compute_dtype(q, k, v)
+    qp, kp, g, beta = gdn_prepare(q, k, a, b, A_log, dt_bias, dtype=cd)
+    real = (torch.arange(T, device=q.device)[None, :] < num_real[:, None]).reshape(-1, 1).to(cd)   # [R*T, 1]
+    g, beta = g * real, beta * real
+    has_init = has_initial_state.to(ssm_state.device)
+    init = ssm_state[torch.where(has_init, slots, 0)].to(cd)
+    init = torch.where(has_init[:, None, None, None], init, 0)
+
+    def fold(x):  # [R*T, heads, ...] -> [T, R*heads, ...]: the recurrence is independent per head
+        return rearrange(x.view((R, T) + tuple(x.shape[1:])), "r t h ... -> t (r h) ...")
+    snaps, snap_index, h = [], None, v.shape[1]
+    if snapshots is not None:   # each snapshot's position in its row, for every folded head
+        snap_index = (snapshots.token_index - snapshots.rows * T)[:, None].expand(-1, R * h)
+    o, state = gdn_chunked_core(fold(qp), fold(kp), fold(v.to(cd)), fold(g), fold(beta),
+                                rearrange(init, "r h dk dv -> (r h) dk dv"), chunk_size=chunk_size,
+                                snaps=snaps, snap_index=snap_index)
+    if snapshots is not None:   # the heads of each snapshot's own row
+        at = snaps[0].view(-1, R, h, *snaps[0].shape[2:])[torch.arange(snap_index.shape[0], device=q.device),
+                                                          snapshots.rows]
+        snapshot_state.index_copy_(0, snapshots.ids, at.to(snapshot_state.dtype))
+    ssm_state[slots] = rearrange(state, "(r h) dk dv -> r h dk dv", r=R).to(ssm_state.dtype)
+    return rearrange(o, "t (r h) dv -> (r t) h dv", r=R).to(v.dtype)
+
+
 def _prefill_padded(q, k, v, g, beta, init, bounds, T, chunk_size, wanted, snap_ids, snap_states):
     """All requests in one chunked pass: pad each to T tokens at the END with g = 0 (no
     decay) and beta = 0 (no write), which leaves the state exactly unchanged, and fold the
@@ -282,7 +351,7 @@ def gated_delta_rule_verify(
     if HV % HK:
         raise ValueError(f"v_heads ({HV}) must be a multiple of k_heads ({HK})")
     r, cd = HV // HK, _compute_dtype(q, k, v)
-    q = _l2norm(q, cd) * DK ** -0.5
+    q = _l2norm(q, cd) * torch.full((), DK, dtype=cd, device=q.device).rsqrt()   # (as gdn_prepare: traced)
     k = _l2norm(k, cd)
     g = -_as(A_log, cd).exp() * F.softplus(_as(a, cd) + _as(dt_bias, cd))     # [R, B, HV]
     # Per token t (dim 1), shaped to broadcast against the state [R, HK, r, DK, DV]:

@@ -24,6 +24,8 @@ against it:
   causal_conv1d_verify      conv.causal_conv1d_verify           triton_conv
   gated_delta_rule_prefill  gdn.gated_delta_rule_prefill        triton_gdn (fla-core if importable)
   gated_delta_rule_verify   gdn.gated_delta_rule_verify         triton_gdn
+  causal_conv1d_prefill_rows     conv.causal_conv1d_prefill_rows   None: CPU traces only (below)
+  gated_delta_rule_prefill_rows  gdn.gated_delta_rule_prefill_rows None: CPU traces only (below)
   moe_experts               moe_experts.moe_experts             triton_moe.moe_experts (fused)
   fused_moe                 False                               True
   rms_norm, add_rms_norm,   elementwise.<same name>             triton_elementwise.<same name>
@@ -32,6 +34,9 @@ against it:
   act_mul
   fp8_linear                fp8_matmul.fp8_linear               triton_fp8_matmul.fp8_linear
   fp8_batched               fp8_matmul.fp8_batched              triton_fp8_matmul.fp8_batched
+
+The two `_rows` fields run a captured CPU prefill (step.metadata.PrefillRows: chunks padded to one
+length, traced like a decode step); only the torch backend is traced, so Triton has none.
 
 A Triton entry point runs its torch reference only by the one rule of
 `triton_common.use_reference` (fp64 inputs); choosing flash-attn or fla-core inside the Triton
@@ -64,6 +69,10 @@ class Ops:
     causal_conv1d_verify: Callable
     gated_delta_rule_prefill: Callable
     gated_delta_rule_verify: Callable
+    # A prefill over chunks padded at their ends to one length (a traced CPU prefill); None: the
+    # backend is never traced (graphs/captured.py traces only the torch backend).
+    causal_conv1d_prefill_rows: Callable | None
+    gated_delta_rule_prefill_rows: Callable | None
     # The routed experts of a fixed-shape MoE step (SparseMoE's sparse path, 16-bit or fp32
     # weights; FP8 experts run fp8_batched).
     moe_experts: Callable
@@ -95,6 +104,8 @@ TORCH = Ops(
     causal_conv1d_verify=conv.causal_conv1d_verify,
     gated_delta_rule_prefill=gdn.gated_delta_rule_prefill,
     gated_delta_rule_verify=gdn.gated_delta_rule_verify,
+    causal_conv1d_prefill_rows=conv.causal_conv1d_prefill_rows,
+    gated_delta_rule_prefill_rows=gdn.gated_delta_rule_prefill_rows,
     moe_experts=moe_experts.moe_experts,
     fused_moe=False,
     rms_norm=elementwise.rms_norm,

@@ -206,13 +206,20 @@ class CacheTensors:
         kv = tuple(t for layers in self.kv.values() for kv in layers for t in kv)
         return kv + tuple(layer[n] for layers in self.state.values() for layer in layers for n in sorted(layer))
 
-    def with_tensors(self, flat) -> "CacheTensors":
-        """The same structure over `flat` (as `tensors()` orders them): a traced graph's
-        cache arguments seen as a cache again."""
+    def snapshot_tensors(self) -> tuple[Tensor, ...]:
+        """The snapshot store's tensors in a fixed order (the cache arguments of a captured graph
+        that writes snapshots, after `tensors()`)."""
+        return tuple(layer[n] for layers in self.snapshots.values() for layer in layers for n in sorted(layer))
+
+    def with_tensors(self, flat, with_snapshots: bool = False) -> "CacheTensors":
+        """The same structure over `flat` (as `tensors()` orders them, then `snapshot_tensors()`
+        when `with_snapshots`): a traced graph's cache arguments seen as a cache again."""
         it = iter(flat)
         kv = {g: [(next(it), next(it)) for _ in layers] for g, layers in self.kv.items()}
         state = {g: [{n: next(it) for n in sorted(layer)} for layer in layers] for g, layers in self.state.items()}
-        return CacheTensors(kv, state, self.block_size, self.pool_index, self.pool_windows, self.snapshots)
+        snapshots = self.snapshots if not with_snapshots else {
+            g: [{n: next(it) for n in sorted(layer)} for layer in layers] for g, layers in self.snapshots.items()}
+        return CacheTensors(kv, state, self.block_size, self.pool_index, self.pool_windows, snapshots)
 
     def sub(self, prefix: str) -> "CacheTensors":
         """The groups named `prefix...`, under their names without it: what a drafter that

@@ -1,10 +1,16 @@
 """Attention metadata: typed dataclasses built by pure functions from a scheduled step.
 
 Two layouts, and only two:
-- PREFILL: ragged chunks of prompts, packed token-major (`query_start_loc`), run eager.
+- PREFILL: ragged chunks of prompts, packed token-major (`query_start_loc`), run eager (a
+  captured prefill takes the uniform layout below).
 - UNIFORM: every row feeds the same number of query tokens (`q_len`), request-major. A verify
   step has q_len = bundle tokens per row (num_spec + 1; 1 without speculation), a drafter's
-  one-token pass has q_len = 1 (its own dimension, so a trace never reads "bundle=1").
+  one-token pass has q_len = 1 (its own dimension, so a trace never reads "bundle=1"). A
+  captured prefill (CPU graphs) is a uniform step too: its rows are prefill chunks padded at
+  their ends to q_len tokens (`UniformMetadata.prefill`, PrefillRows: each row's real tokens and
+  whether a previous chunk left state); padding tokens write the null slot and leave the
+  recurrent state as the chunk's last real token left it, and causal attention keeps them out
+  of every real token's output.
   Rows are padded to `num_reqs_padded` (a captured graph size). Padded rows are real rows
   that point at null storage: token 0, positions 0..q-1, seq_len q, block-table row of the
   null block (0), state slots of the null slot (0), prev_num_emitted 1. They compute finite
@@ -80,11 +86,22 @@ class PrefillMetadata:
 
 
 @shaped_dataclass(frozen=True)
+class PrefillRows:
+    """The rows of a uniform step that are prefill chunks, each padded at its end to q_len tokens
+    (a captured prefill, graphs/captured.py): tensors, so one graph serves any chunk length up to
+    q_len."""
+
+    num_real: Int[Tensor, "num_reqs_padded"]             # the chunk's tokens, then padding
+    has_initial_state: Bool[Tensor, "num_reqs_padded"]   # a previous chunk left state behind
+    snapshots: StateSnapshots | None = None              # token_index into the padded rows (None: none)
+
+
+@shaped_dataclass(frozen=True)
 class UniformMetadata:
     seq_lens: Int[Tensor, "num_reqs_padded"]           # context including this step's tokens
     block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"]
     slot_mappings: Int[Tensor, "kv_pools num_tokens"]
-    state_slots: Int[Tensor, "num_reqs_padded q_len"]  # verify: the request's bundle slots
+    state_slots: Int[Tensor, "num_reqs_padded row_slots"]  # verify, prefill rows: the request's bundle slots
     prev_num_emitted: Int[Tensor, "num_reqs_padded"]
     # Real rows (the rest are padding) where the builder knows them: a step built on the host
     # from its scheduled rows. None inside a captured body or a drafter's pass, which see only
@@ -98,6 +115,8 @@ class UniformMetadata:
     # (speculative.drafter.proposal_kv_slots); the torch attention then gathers through it (the
     # Triton kernel walks the block table either way).
     kv_slots: Int[Tensor, "kv_pools num_reqs_padded ctx_len"] | None = None
+    # A captured prefill's rows (see the module docstring); None: a verify step or a drafter's pass.
+    prefill: PrefillRows | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -106,9 +125,10 @@ class UniformMetadata:
 
 def uniform_metadata(
     seq_lens: Int[Tensor, "num_reqs_padded"], block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"],
-    slot_mappings: Int[Tensor, "kv_pools num_tokens"], state_slots: Int[Tensor, "num_reqs_padded q_len"],
+    slot_mappings: Int[Tensor, "kv_pools num_tokens"], state_slots: Int[Tensor, "num_reqs_padded row_slots"],
     prev_num_emitted: Int[Tensor, "num_reqs_padded"], q_len: int, max_seq_len: int,
     num_reqs: int | None = None, kv_slots: Int[Tensor, "kv_pools num_reqs_padded ctx_len"] | None = None,
+    prefill: PrefillRows | None = None,
 ) -> UniformMetadata:
     """The one place a UniformMetadata is made (`build_uniform` on the host, a captured body
     from its buffers, a drafter's one-token pass on the device). The padded row count is the
@@ -116,7 +136,7 @@ def uniform_metadata(
     return UniformMetadata(
         seq_lens=seq_lens, block_tables=block_tables, slot_mappings=slot_mappings, state_slots=state_slots,
         prev_num_emitted=prev_num_emitted, num_reqs=num_reqs, num_reqs_padded=seq_lens.shape[0], q_len=q_len,
-        max_seq_len=max_seq_len, kv_slots=kv_slots)
+        max_seq_len=max_seq_len, kv_slots=kv_slots, prefill=prefill)
 
 
 def _block_tables(rows: list[list[list[int]]], max_blocks: int) -> Tensor:

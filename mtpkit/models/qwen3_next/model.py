@@ -196,7 +196,9 @@ class GatedDeltaNet(nn.Module):
         prefill = isinstance(meta, PrefillMetadata)
         # State snapshots asked for by the step (metadata.StateSnapshots): written by the same
         # kernels, into this layer's rows of the snapshot store. None: the calls are unchanged.
-        snaps = meta.snapshots if prefill else None
+        # A captured prefill (CPU graphs): rows of chunks padded to one length, a uniform step's layout.
+        rows = None if prefill else meta.prefill
+        snaps = meta.snapshots if prefill else None if rows is None else rows.snapshots
         snap = {} if snaps is None else cache.snapshots[STATE_GROUP][self.state_index]
         if prefill:
             # A prefill keeps the conv window in the request's first slot and leaves the
@@ -204,6 +206,10 @@ class GatedDeltaNet(nn.Module):
             mixed = self.ops.causal_conv1d_prefill(mixed, self.conv_weight, conv_state, meta.query_start_loc,
                                                    meta.state_slots[:, 0], meta.has_initial_state,
                                                    snapshots=snaps, snapshot_state=snap.get("conv"))
+        elif rows is not None:   # the same slots as a prefill's
+            mixed = self.ops.causal_conv1d_prefill_rows(mixed, self.conv_weight, conv_state, meta.state_slots[:, 0],
+                                                        rows.has_initial_state, rows.num_real,
+                                                        snapshots=snaps, snapshot_state=snap.get("conv"))
         else:
             R, B = meta.num_reqs_padded, meta.q_len
             mixed = self.ops.causal_conv1d_verify(mixed.view(R, B, -1), self.conv_weight, conv_state,
@@ -215,6 +221,10 @@ class GatedDeltaNet(nn.Module):
             o = self.ops.gated_delta_rule_prefill(q, k, v, a, b, self.A_log, self.dt_bias, ssm_state,
                                                   meta.query_start_loc, last, last, meta.has_initial_state,
                                                   snapshots=snaps, snapshot_state=snap.get("ssm"))
+        elif rows is not None:
+            o = self.ops.gated_delta_rule_prefill_rows(q, k, v, a, b, self.A_log, self.dt_bias, ssm_state,
+                                                       meta.state_slots[:, -1], rows.has_initial_state, rows.num_real,
+                                                       snapshots=snaps, snapshot_state=snap.get("ssm"))
         else:
             R, B = meta.num_reqs_padded, meta.q_len
             o = self.ops.gated_delta_rule_verify(
