@@ -1,7 +1,8 @@
 """Per-kernel time inside the aot-tuned verify and propose graphs (issue 32): which generated
 kernels a compiled step spends its time in.
 
-Builds tiny-qwen3-next with LLM(compile="aot-tuned", compile_after=0) on its own package
+Builds the model (tiny-qwen3-next; `--model tiny-gemma4` with its assistant) with
+LLM(compile="aot-tuned", compile_after=0) on its own package
 directory, generates once (so the graphs of context 128 are compiled), resets the buffers to
 inert rows, and replays the verify and propose graphs under torch.profiler; prints each
 kernel's self time per replay. Run it with TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1, which
@@ -9,6 +10,8 @@ makes inductor's C++ kernels record themselves (a package built without it shows
 extern calls): the packages then differ from the normal ones, hence their own directory.
 
     TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1 python benchmarks/aot_kernel_profile.py --cache /tmp/kernel-profile
+    TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1 python benchmarks/aot_kernel_profile.py --cache /tmp/kprof-gemma \
+        --model tiny-gemma4 --num-spec 3
 """
 
 import argparse
@@ -28,10 +31,11 @@ from mtpkit import LLM, SamplingParams  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache", required=True, help="package directory of these (profiling) packages")
+    p.add_argument("--model", default="tiny-qwen3-next")
     p.add_argument("--num-spec", type=int, default=3)
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args()
-    llm = LLM("tiny-qwen3-next", num_spec=args.num_spec, dtype="float32", max_num_seqs=1, num_threads=1,
+    llm = LLM(args.model, num_spec=args.num_spec, dtype="float32", max_num_seqs=1, num_threads=1,
               compile="aot-tuned", compile_after=0, compile_cache_dir=args.cache)
     g = llm.runner.graphs
     g.trace_after = 0
