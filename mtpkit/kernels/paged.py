@@ -143,20 +143,25 @@ def _attend_fused(q: Float[Tensor, "num_reqs q_len heads head_dim"], k: Float[Te
                   v: Float[Tensor, "num_reqs ctx_len kv_heads head_dim"], visible: Bool[Tensor, "num_reqs q_len ctx_len"],
                   scale: float, softcap: float | None, cd: torch.dtype) -> Float[Tensor, "num_reqs q_len heads head_dim"]:
     """_attend in a compiled graph of one query per row (a drafter's one-token pass, a decode step
-    without drafts): the products written as multiply + sum, which inductor generates as fused C++
-    loops, where scaled_dot_product_attention is an extern call whose set-up costs more than one
-    query's work (13 vs ~30 us per call here). A bundle of 4 queries ran slower this way than
-    through the extern call (163 vs 75 us with its neighbours), so it keeps that: docs/performance.md,
-    "Inside the aot-tuned graphs". Equal up to rounding."""
+    without drafts): two batched matmuls and a softmax, compiled by inductor with the graph, where
+    scaled_dot_product_attention is an extern call whose set-up costs more than one query's work
+    (13 vs ~30 us per call measured for the multiply + sum form this replaced). A bundle of 4
+    queries ran slower that way than through the extern call (163 vs 75 us with its neighbours),
+    so it keeps that: docs/performance.md, "Inside the aot-tuned graphs". Equal up to rounding."""
     R, Q, H, D = q.shape
     KVH = k.shape[2]
-    qg = q.to(cd).view(R, Q, 1, KVH, H // KVH, D)          # query head h reads KV head h // (H // KVH)
-    kk, vv = k.to(cd)[:, None, :, :, None, :], v.to(cd)[:, None, :, :, None, :]   # [R, 1, K, KVH, 1, D]
-    scores = (qg * kk).sum(-1) * scale                     # [R, Q, K, KVH, H // KVH]
+    G = H // KVH                                          # query head h reads KV head h // G
+    # Both products as batched matmuls over materialised operands. Written as multiply + sum,
+    # inductor fused q's RoPE into the scores' loop and the scores and softmax into the values' sum,
+    # recomputing them per key and per output element (1.4 ms of a 4.5 ms Gemma 4 assistant
+    # proposal at head_dim 128, 128 keys: benchmarks/aot_kernel_profile.py --model tiny-gemma4).
+    qh = q.to(cd).view(R, Q, KVH, G, D).permute(0, 2, 1, 3, 4).reshape(R, KVH, Q * G, D)
+    scores = (qh @ k.to(cd).permute(0, 2, 3, 1)).view(R, KVH, Q, G, -1) * scale        # [R, KVH, Q, G, K]
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    p = torch.softmax(scores.masked_fill(~visible[:, :, :, None, None], float("-inf")), dim=2)
-    out = (p[..., None] * vv).sum(2).reshape(R, Q, H, D)
+    p = torch.softmax(scores.masked_fill(~visible[:, None, :, None, :], float("-inf")), dim=-1)
+    out = p.view(R, KVH, Q * G, -1) @ v.to(cd).transpose(1, 2)                          # [R, KVH, Q * G, D]
+    out = out.view(R, KVH, Q, G, D).permute(0, 2, 1, 3, 4).reshape(R, Q, H, D)
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 

@@ -8,8 +8,9 @@ Two layouts, and only two:
   one-token pass has q_len = 1 (its own dimension, so a trace never reads "bundle=1"). A
   captured prefill (CPU graphs) is a uniform step too: its rows are prefill chunks padded at
   their ends to q_len tokens (`UniformMetadata.prefill`, PrefillRows: each row's real tokens and
-  whether a previous chunk left state); padding tokens write the null slot and leave the
-  recurrent state as the chunk's last real token left it, and causal attention keeps them out
+  whether a previous chunk left state); padding tokens write their positions' KV slots (as a
+  verify step's drafts do; the row's later tokens overwrite them) and leave the recurrent state
+  as the chunk's last real token left it, and causal attention keeps them out
   of every real token's output.
   Rows are padded to `num_reqs_padded` (a captured graph size). Padded rows are real rows
   that point at null storage: token 0, positions 0..q-1, seq_len q, block-table row of the
