@@ -1,6 +1,6 @@
 """Runs one scheduled step: metadata -> model -> generation controls -> sampler / rejection -> drafter.
 
-Prefill steps run eager, except on CPU graphs a step of one chunk without state snapshots, which
+Prefill steps run eager, except on CPU graphs a step of one chunk (state snapshots included), which
 replays a traced (or compiled) prefill once its size is used often (CapturedSteps.prefill). A verify
 step and the drafter's proposals run the step bodies
 (engine/step_bodies.py), written once: called on the step's own tensors under enforce_eager,

@@ -17,7 +17,7 @@ padded rows neutral) and the controls' tables (read in place); captured / traced
 first needs it, like the others. A step without controls never replays it.
 A proposal with grammar masks (structured outputs' constrained rows: each pass's mask needs the
 previous pass's drafts on the host) calls the propose body directly on the same buffers.
-On CPU, a prefill step of one chunk (without state snapshots) replays the prefill body, the
+On CPU, a prefill step of one chunk (state snapshots included) replays the prefill body, the
 target's forward over the chunk padded at its end to a power of two (step.metadata.PrefillRows),
 traced per (tokens, context bucket) like the proposal after a prefill (`prefill`).
 

@@ -313,6 +313,7 @@ def _prefill_padded(q, k, v, g, beta, init, bounds, T, chunk_size, wanted, snap_
     return out, rearrange(state, "(r h) dk dv -> r h dk dv", r=R)
 
 
+# x stays plain Tensor: a dtype helper for q, k, v, gates and parameters alike (no one shape name fits).
 def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
     """x in `dtype`, without a dispatch when it already is (any shape: a dtype helper)."""
     return x if x.dtype == dtype else x.to(dtype)
