@@ -12,22 +12,22 @@ on two workloads, each compiled as an AOTInductor package under the mode's setti
 (one thread; same-process ratios):
 
     pass    7 passes over the six products of tiny-qwen3-next's MTP pass (2.2 MB of weights,
-            which stay in this machine's 8 MB L3 across passes)
+            which stay in the L3 across passes on both machines measured)
     chain   6 RMSNorm -> gate/up -> SiLU-gate -> down blocks of width 256 / 512 (9.4 MB of
-            weights, more than the L3: every product streams from DRAM, like a decode step
+            weights, more than the AMD VM's 8 MB L3: every product streams from DRAM there, like a decode step
             of the whole model)
 
-Measured 2026-12-03 (docs/performance.md, "One-row products"): the one-row forms win the
-cache-resident workload and lose the streaming one (a whole generation with `mv` in every graph
-was slower without drafts), so mtpkit uses `mv` in its drafters' graphs only
-(graphs/compiled.DRAFTER_GRAPHS, layers/linear.one_row_products). `--generation` measures that
-choice on whole generations: per model, two "aot-tuned" engines at its best num_spec, one as
-mtpkit builds it and one whose drafter graphs keep the mm (compiled with DRAFTER_GRAPHS empty,
-which names other packages), the same 8 held-out prompts x 128 tokens at batch 1 (bench_cpu's),
-alternated in rounds; the tokens must be identical.
+The one-row forms are not in mtpkit (docs/performance.md, "One-row products"): they win the
+cache-resident workload and lose the streaming one (a whole generation with `mv` in every graph was
+slower without drafts, 2026-12-03), and in the drafters' graphs alone, where the weights stay in the
+cache, they did not make whole generations faster. That variant is commit ed4e6f7
+(graphs/compiled.DRAFTER_GRAPHS, layers/linear.one_row_products), where `--generation` measures it:
+per model, two "aot-tuned" engines at its best num_spec, one as that commit builds it and one whose
+drafter graphs keep the mm (compiled with DRAFTER_GRAPHS empty, which names other packages), the same
+8 held-out prompts x 128 tokens at batch 1 (bench_cpu's), alternated in rounds; tokens identical.
 
     python benchmarks/one_row_products.py
-    python benchmarks/one_row_products.py --generation          # tiny-qwen3-next k=7, tiny-gemma4 k=3
+    git checkout ed4e6f7 && python benchmarks/one_row_products.py --generation   # qwen k=7, gemma4 k=3
 """
 
 import argparse
@@ -113,6 +113,9 @@ def timed(f, xs, reps: int) -> float:
 
 
 def generation(rounds: int, max_tokens: int) -> None:
+    if not hasattr(compiled, "DRAFTER_GRAPHS"):
+        sys.exit("--generation measures the drafter graphs' one-row form, which this checkout does not have: "
+                 "run it at commit ed4e6f7 (git checkout ed4e6f7)")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_cpu import heldout_prompts, ratio, round_robin
     from mtpkit import LLM, SamplingParams

@@ -27,9 +27,10 @@ phases are exclusive times that partition the step's wall time:
 A step runs from one LLM.step call to the next (the stream's handling of a step's events
 belongs to that step). Only verify steps are reported; prefill steps and each generation's
 set-up (validation, queueing) are counted and left out. The steady state: CPU graphs traced on
-first use (`llm.runner.graphs.trace_after = 0`), one warm-up run of the very same generations
-(so every graph key is traced before timing; a trace during the timed runs is reported as a
-fault), one intra-op thread, greedy, `ignore_eos`, and by default one stop string that never
+first use (`llm.runner.graphs.trace_after = 0`), two warm-up runs of the very same generations
+(so every graph key is traced, or compiled, before timing: the second meets the prefix cache as
+the timed runs do, whose prefills of a cached prompt are shorter graphs; a graph traced or
+compiled during the timed runs is reported as a fault), one intra-op thread, greedy, `ignore_eos`, and by default one stop string that never
 occurs (so the stop checks run, as for a chat request; `--no-stop` drops it). The engines are
 timed in rounds, each round running every configuration once, so a noisy stretch of the shared
 machine hits every configuration alike.
@@ -306,6 +307,7 @@ class Breakdown:
     run_calls: int                  # wrapped calls over the same runs
     stray: dict                     # phase -> ms per verify step of phases outside PHASES ("tracing", ...)
     has_stop: bool
+    new_graphs: int = 0             # graphs traced or compiled during the timed runs (a fault)
 
     @property
     def graphs_ms(self) -> float:
@@ -343,6 +345,14 @@ def build(config: Config, max_num_seqs: int) -> LLM:
     llm = LLM(config.model, num_spec=config.num_spec, dtype="float32", max_num_seqs=max_num_seqs, num_threads=1, **kw)
     llm.runner.graphs.trace_after = 0   # long-lived engine: CPU graphs traced (and compiled) on first use
     return llm
+
+
+def graph_count(llm: LLM) -> int:
+    """The engine's graphs traced so far, and compiled (a compiled graph keeps its trace's key)."""
+    g = llm.runner.graphs
+    traced = sum(len(d) for d in (g.verify_graphs, g.propose_graphs, g.prefill_graphs, g.prefill_proposal_graphs,
+                                  g.control_graphs))
+    return traced + (len(g.compiler.records) if g.compiler is not None else 0)
 
 
 def run(llm: LLM, groups: list, sp: SamplingParams, records: list[StepRecord] | None) -> float:
@@ -403,6 +413,8 @@ def problems(b: Breakdown) -> list[str]:
     # over the whole run, this script's own clock (set-up and prefill steps included)
     if abs(b.run_wall_s - b.accounted_s) > b.wrapper_us * 1e-6 * b.run_calls:
         out.append(f"the records account for {b.accounted_s:.6f} s of a {b.run_wall_s:.6f} s run")
+    if b.new_graphs:
+        out.append(f"{b.new_graphs} graphs were traced or compiled during the timed runs (the warm-up missed their keys)")
     if any(b.stray.values()):
         out.append(f"verify steps spent time outside the reported phases: "
                    + ", ".join(f"{p} {ms:.3f} ms/step" for p, ms in b.stray.items()))
@@ -410,7 +422,7 @@ def problems(b: Breakdown) -> list[str]:
 
 
 def measure(configs: list[Config], *, prompts: int, prompt_len: int, max_tokens: int, rounds: int,
-            stop: bool = True, verbose: bool = True) -> list[Breakdown]:
+            stop: bool = True, verbose: bool = True, warmups: int = 2) -> list[Breakdown]:
     """Each configuration's breakdown: engines built and warmed up (their graphs traced) inside
     `instrument()`, then `rounds` rounds each running every configuration once."""
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop=[NEVER_STOP] if stop else [])
@@ -422,14 +434,17 @@ def measure(configs: list[Config], *, prompts: int, prompt_len: int, max_tokens:
             engines[c] = build(c, max(c.batch for c in configs))
             mine = ids[:max(prompts, c.batch)]   # at least one full batch
             groups[c] = [mine[i:i + c.batch] for i in range(0, len(mine), c.batch)]
-            run(engines[c], groups[c], sp, None)   # warm-up: every graph key traced
+            for _ in range(warmups):   # warm-up: every graph key traced; the second run's prefills meet the prefix cache
+                run(engines[c], groups[c], sp, None)
             records[c], walls[c] = [], 0.0
             if verbose:
                 print(f"  built and warmed up: {c}", flush=True)
+        before = {c: graph_count(engines[c]) for c in configs}
         for _ in range(rounds):
             for c in configs:
                 walls[c] += run(engines[c], groups[c], sp, records[c])
-        out = [summarize(c, records[c], walls[c], cost, stop) for c in configs]
+        out = [dataclasses.replace(summarize(c, records[c], walls[c], cost, stop),
+                                   new_graphs=graph_count(engines[c]) - before[c]) for c in configs]
         for llm in engines.values():
             llm.close()
     return out

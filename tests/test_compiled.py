@@ -235,9 +235,7 @@ def _matrix_case(family, k, batch, qwen, gemma4_pair, mode):
 
 @pytest.mark.parametrize("family,k,batch", [(f, k, b) for f, cases in CI_MATRIX.items() for k, b in cases])
 def test_compiled_equals_eager_across_num_spec_and_batch(family, k, batch, qwen, gemma4_pair, dynamo_only):
-    # batch 1 as "freeze": the drafter's one-row products take that mode's form
-    # (layers/linear.one_row_products), which dynamo's capture runs here without inductor
-    names = _matrix_case(family, k, batch, qwen, gemma4_pair, "freeze" if batch == 1 else "inductor")
+    names = _matrix_case(family, k, batch, qwen, gemma4_pair, "inductor")
     if batch == 8:   # the 8 prompts run as one batch: graph size 8
         assert any(n.startswith("verify_8_") for n in names), names
 
@@ -264,45 +262,6 @@ def test_compiled_forms_equal_the_eager_ones(monkeypatch):
     eager = moe_experts(x, w13, down, experts, weights)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     torch.testing.assert_close(moe_experts(x, w13, down, experts, weights), eager, rtol=1e-12, atol=1e-12)
-
-
-def test_compiled_one_row_product_equals_the_mm(monkeypatch):
-    """In a compiled drafter graph of a freezing mode (one_row_products) a one-row product of the
-    linear family is a matrix-vector product on a row-major copy of the column-major CPU weight
-    (layers/linear.linear): the same values as the mm; two rows, a 3-D input, another graph and an
-    eager call keep the mm."""
-    from mtpkit.layers.linear import linear, one_row_products
-    g = torch.Generator().manual_seed(4)
-    w = torch.randn(7, 5, generator=g, dtype=torch.float64).t()          # [out 5, in 7], column-major
-    xs = [torch.randn(1, 7, generator=g, dtype=torch.float64), torch.randn(2, 7, generator=g, dtype=torch.float64),
-          torch.randn(1, 1, 7, generator=g, dtype=torch.float64)]
-    eager = [linear(x, w) for x in xs]
-    calls = []
-    mv = torch.mv
-    monkeypatch.setattr(torch, "mv", lambda m, v: calls.append((m.is_contiguous(), v.shape)) or mv(m, v))
-    with one_row_products():
-        assert [linear(x, w).shape for x in xs] == [e.shape for e in eager] and calls == []   # not compiling
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert all(torch.equal(linear(x, w), e) for x, e in zip(xs, eager)) and calls == []      # another graph
-    with one_row_products():
-        for x, want in zip(xs, eager):
-            got = linear(x, w)
-            assert got.shape == want.shape
-            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    assert calls == [(True, torch.Size([7]))]
-
-
-def test_one_row_products_are_the_drafter_graphs_of_the_freezing_modes():
-    """Only a drafter's graphs (several passes over the same weights, which stay in the cache)
-    take the one-row form, and only where the weights are folded constants."""
-    from mtpkit.layers import linear as L
-    seen = {}
-    for freeze in (True, False):
-        for name in ("propose_1_64", "prefill_proposal_16_1_64", "verify_1_64", "prefill_16_64"):
-            with compiled._gemm_kernel(freeze, name):
-                seen[freeze, name] = getattr(L._one_row, "on", False)
-    assert [k for k, on in seen.items() if on] == [(True, "propose_1_64"), (True, "prefill_proposal_16_1_64")]
-    assert not getattr(L._one_row, "on", False)
 
 
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 30.0), (4, 20.0)])

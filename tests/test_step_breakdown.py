@@ -13,9 +13,11 @@ import step_breakdown as sb  # noqa: E402
 
 def test_short_run_every_phase_reported_run_and_adding_up():
     originals = {(owner, attr): owner.__dict__[attr] for owner, attr, _ in sb._patches()}
-    b, = sb.measure([sb.Config("tiny-qwen3-next", 1, 1)], prompts=1, prompt_len=16, max_tokens=12, rounds=1,
+    # 40 tokens: the timed run's prefill meets the prefix cache (a shorter graph than the first run's)
+    b, = sb.measure([sb.Config("tiny-qwen3-next", 1, 1)], prompts=1, prompt_len=40, max_tokens=12, rounds=1,
                     verbose=False)
     assert sb.problems(b) == [], sb.problems(b)
+    assert b.new_graphs == 0
     assert b.steps >= 3 and b.tokens_per_step >= 1
     # every phase is reported, and with num_spec 1 and a stop string each one ran but rejection
     # sampling: a greedy step's outcome is computed inside the verify graph
@@ -42,3 +44,11 @@ def test_short_run_every_phase_reported_run_and_adding_up():
     assert any("add up" in m for m in sb.problems(lost))
     unrun = dataclasses.replace(b, calls_per_step={**b.calls_per_step, "detokenize": 0})
     assert any("never called" in m for m in sb.problems(unrun))
+
+
+def test_a_graph_traced_in_the_timed_runs_is_a_fault():
+    """One warm-up run leaves the prefix cache's shorter prefill to be traced in the timed run
+    (what once put aot-tuned compiles into tiny-gemma4's prefill figure): reported as a fault."""
+    b, = sb.measure([sb.Config("tiny-qwen3-next", 1, 1)], prompts=1, prompt_len=40, max_tokens=12, rounds=1,
+                    verbose=False, warmups=1)
+    assert b.new_graphs > 0 and any("during the timed runs" in m for m in sb.problems(b)), sb.problems(b)

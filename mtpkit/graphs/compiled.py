@@ -39,7 +39,6 @@ from pathlib import Path
 import torch
 
 from mtpkit.graphs import micro_gemm
-from mtpkit.layers.linear import one_row_products
 
 MODES = ("inductor", "freeze", "aot", "aot-tuned")
 AOT_MODES = ("aot", "aot-tuned")
@@ -126,12 +125,12 @@ class Compiler:
         if not cached:
             path.parent.mkdir(parents=True, exist_ok=True)
             body = _Body(fn, self.modules)
-            # (the export traces the model's code, which asks what this graph's products are)
-            with _compiling(), _gemm_kernel(self.mode == "aot-tuned", name):
+            with _compiling():
                 exported = torch.export.export(body, tuple(args), strict=False)
                 tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
-                torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp),
-                                                         inductor_configs=_aot_options(self.mode))
+                with _gemm_kernel(self.mode == "aot-tuned"):
+                    torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp),
+                                                             inductor_configs=_aot_options(self.mode))
             os.replace(tmp, path)   # atomic: a concurrent process loads a whole package or none
         runner = torch._inductor.aoti_load_package(str(path))
         return _AOTGraph(runner), cached
@@ -210,23 +209,10 @@ def _inductor_options(freeze: bool) -> dict:
     return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
-@contextlib.contextmanager
-def _gemm_kernel(freeze: bool, name: str = ""):
+def _gemm_kernel(freeze: bool):
     """The modes with max-autotune's C++ GEMM template compile it as graphs/micro_gemm.py's loops
-    (bit-identical products, more of the memory bandwidth at M >= 2); the others render nothing
-    from it. Their drafter graphs (`DRAFTER_GRAPHS`) compute one-row products as matrix-vector
-    products on row-major copies of the weights (layers/linear.one_row_products): a drafter's
-    passes read the same few MB again and again, which then stay in the cache."""
-    if not freeze:
-        yield
-        return
-    with micro_gemm.patched(), (one_row_products() if name.startswith(DRAFTER_GRAPHS) else contextlib.nullcontext()):
-        yield
-
-
-# The graphs that run a drafter's passes (CapturedSteps' names): one model layer (the MTP head) or
-# a small assistant, several passes per step. The verify and prefill graphs read the whole target.
-DRAFTER_GRAPHS = ("propose_", "prefill_proposal_")
+    (bit-identical products, more of the memory bandwidth at M >= 2); the others render nothing from it."""
+    return micro_gemm.patched() if freeze else contextlib.nullcontext()
 
 
 def _aot_options(mode: str) -> dict:
@@ -243,7 +229,7 @@ def _inductor_lazy(fn, name: str, freeze: bool):
     options = _inductor_options(freeze)
 
     def call(*args):
-        with torch._inductor.config.patch(options), _gemm_kernel(freeze, name):
+        with torch._inductor.config.patch(options), _gemm_kernel(freeze):
             return compiled(*args)
     return call
 
@@ -341,7 +327,6 @@ def model_identity(modules: list[torch.nn.Module], settings: str = "") -> str:
         h.update(f.read_bytes())
     for part in (_Body, _aot_options, _inductor_options, _gemm_kernel, Compiler._aot):   # this module's share of a package
         h.update(inspect.getsource(part).encode())
-    h.update(repr(DRAFTER_GRAPHS).encode())
     seen: set[int] = set()
     for m in modules:
         h.update(repr(m).encode())

@@ -16,9 +16,6 @@ takes plain Tensor; the layers that call them (attention, GDN, MoE, model forwar
 typed boundaries. So are the callers of the collectives in parallel.py.
 """
 
-import contextlib
-import threading
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -189,31 +186,7 @@ def vocab_parallel_logits(hidden: Float[Tensor, "num_logits hidden"], weight: Fl
 def linear(x: Tensor, w: Tensor) -> Tensor:
     """x @ w^T, as F.linear without a bias (any shape: the linear family's kernel). A 2-D x
     goes to torch.mm on w's transposed view: the same BLAS product with less dispatch than
-    F.linear's (bit-identical; in a traced graph w.t() of a weight is folded to a constant).
-    One row inside `one_row_products()` (a compiled drafter's graph: its passes read the same
-    weights again and again) is a matrix-vector product on a row-major copy of w, folded into
-    the graph's constants: inductor generates it as a reduction along w's rows."""
-    if x.dim() == 2 and x.shape[0] == 1 and getattr(_one_row, "on", False) and torch.compiler.is_compiling():
-        return torch.mv(w.contiguous(), x[0])[None]
+    F.linear's (bit-identical; in a traced graph w.t() of a weight is folded to a constant)."""
     return torch.mm(x, w.t()) if x.dim() == 2 else F.linear(x, w)
-
-
-_one_row = threading.local()
-
-
-@contextlib.contextmanager
-def one_row_products():
-    """While entered (in this thread), `linear` computes one row as a matrix-vector product when
-    compiling. For graphs whose weights are constants folded at compile time (inductor's
-    freezing; elsewhere `w.contiguous()` of a column-major weight would copy it at every call)
-    and stay in the cache between products: measured (benchmarks/one_row_products.py) x0.40
-    the time of the mm (the C++ GEMM template) over passes whose weights stay in the L3, x1.30
-    over weights streamed from DRAM (a whole model's decode step)."""
-    before = getattr(_one_row, "on", False)
-    _one_row.on = True
-    try:
-        yield
-    finally:
-        _one_row.on = before
 
 
