@@ -36,7 +36,9 @@ to build it and goes on without those rows.
 `--compile MODE` (inductor, freeze or aot: LLM(compile=...), mtpkit/graphs/compiled.py) adds an
 engine per num_spec whose decode graphs are compiled (in the warm-up, `compile_after = 0`), rows
 "mtpkit num_spec=k MODE", alternated with the traced ones in the same rounds, and their ratio
-x the traced engine of the same num_spec.
+x the traced engine of the same num_spec. `--draft-dtype bfloat16` adds, beside each of them, the
+same compiled engine with its drafter in bfloat16 (LLM(draft_dtype=...)), rows "... draft bfloat16"
+(num_spec 0 has no drafter: none), alternated like the others; outputs must stay identical.
 """
 
 import argparse
@@ -148,6 +150,8 @@ def main():
     p.add_argument("--prefix-caching", action="store_true",
                    help="keep mtpkit's prefix cache on: the timed rounds then reuse the warm-up's prompt "
                         "blocks, which the other engines prefill again (not a like-for-like comparison)")
+    p.add_argument("--draft-dtype", default=None, help="also run each compiled engine with num_spec > 0 with "
+                   "its drafter in this dtype (LLM(draft_dtype=...); needs --compile)")
     p.add_argument("--llamacpp-drafts", type=int, default=llamacpp_client.NUM_DRAFTS,
                    help="llama.cpp's draft length in MTP mode")
     args = p.parse_args()
@@ -160,6 +164,12 @@ def main():
     if args.compile:   # keys ("c", k): compiled in the warm-up, so the rounds time the steady state
         engines.update({("c", k): LLM(path, num_spec=k, compile=args.compile, compile_after=0, **common)
                         for k in (args.compile_spec or range(args.max_spec + 1))})
+    if args.draft_dtype:   # keys ("d", k): the compiled engine of num_spec k, its drafter in draft_dtype
+        if not args.compile:
+            p.error("--draft-dtype adds compiled engines: give --compile too")
+        engines.update({("d", k): LLM(path, num_spec=k, compile=args.compile, compile_after=0,
+                                      draft_dtype=args.draft_dtype, **common)
+                        for k in (args.compile_spec or range(args.max_spec + 1)) if k})
     for llm in engines.values():  # long-lived engines: CPU graphs traced on first use (graphs.captured)
         llm.runner.graphs.trace_after = 0
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
@@ -196,7 +206,7 @@ def main():
         ref = results["transformers"]
         print(f"\nbatch {batch}:")
         lc = "llama.cpp" if "llama.cpp" in fns else None
-        print(f"  {'engine':<28} {'tok/s':>8} {'x transformers':>14} {'x mtpkit k=0':>12} "
+        print(f"  {'engine':<42} {'tok/s':>8} {'x transformers':>14} {'x mtpkit k=0':>12} "
               f"{'x llama.cpp' if lc else '':>11} {'mean acc len':>12} {'same tokens':>11}")
         for name in fns:
             same = results[name] == ref
@@ -206,7 +216,8 @@ def main():
             elif isinstance(name, str):
                 label = name if name == "transformers" else f"transformers assisted k={name[2:]}"
             elif isinstance(name, tuple):
-                label = f"mtpkit num_spec={name[1]} {args.compile}"
+                label = f"mtpkit num_spec={name[1]} {args.compile}" + (f" draft {args.draft_dtype}"
+                                                                       if name[0] == "d" else "")
             else:
                 label = f"mtpkit num_spec={name}"
             k = name[1] if isinstance(name, tuple) else name
@@ -214,7 +225,7 @@ def main():
             if name in stats and name != "llama.cpp":
                 mal = sum(len(g.tokens) for g in stats[name]) / sum(g.n_steps for g in stats[name])
             x_lc = f"{ratio(times, name, lc):.2f}" if lc else ""
-            print(f"  {label:<28} {n / statistics.median(times[name]):>8.1f} {ratio(times, name, 'transformers'):>14.2f} "
+            print(f"  {label:<42} {n / statistics.median(times[name]):>8.1f} {ratio(times, name, 'transformers'):>14.2f} "
                   f"{ratio(times, name, 0):>12.2f} {x_lc:>11} {'' if mal is None else f'{mal:.2f}':>12} {str(same):>11}")
         hf_best = [k for k in fns if isinstance(k, str) and k.startswith("hf")]
         ours = [k for k in fns if isinstance(k, int) and k]
@@ -232,12 +243,16 @@ def main():
             print(line)
         compiled = [k for k in fns if isinstance(k, tuple)]
         if compiled and ours:
-            same = [k for _, k in compiled if k in times]   # a compiled num_spec above --max-spec has no traced twin
+            same = [k for c, k in compiled if c == "c" and k in times]   # a compiled num_spec above --max-spec has no traced twin
             if same:
                 print(f"  {args.compile} x traced, same num_spec: " + ", ".join(
                     f"k={k}: {ratio(times, ('c', k), k):.2f}" for k in same))
+            if any(c == "d" for c, _ in compiled):
+                print(f"  draft {args.draft_dtype} x the same compiled engine: " + ", ".join(
+                    f"k={k}: {ratio(times, ('d', k), ('c', k)):.3f}" for c, k in compiled if c == "d"))
             best_c = min(compiled, key=lambda k: statistics.median(times[k]))
-            line = (f"  best compiled num_spec={best_c[1]}: {ratio(times, best_c, best):.2f}x the best traced, "
+            drafts = f" draft {args.draft_dtype}" if best_c[0] == "d" else ""
+            line = (f"  best compiled num_spec={best_c[1]}{drafts}: {ratio(times, best_c, best):.2f}x the best traced, "
                     f"{ratio(times, best_c, 0):.2f}x traced without drafts")
             if lc:
                 line += f", {ratio(times, best_c, lb):.2f}x llama.cpp's best"
@@ -247,6 +262,9 @@ def main():
     if args.compile:
         for k in args.compile_spec or range(args.max_spec + 1):
             print(f"num_spec={k} {args.compile}: {engines['c', k].runner.graphs.compiler.describe()}")
+            if ("d", k) in engines:
+                print(f"num_spec={k} {args.compile} draft {args.draft_dtype}: "
+                      f"{engines['d', k].runner.graphs.compiler.describe()}")
     print(f"\nall greedy outputs identical: {all_same}")
     for d in llamacpp.values():
         d.close()

@@ -97,6 +97,9 @@ def add_memory_options(p: argparse.ArgumentParser) -> None:
                         "minutes per graph; aot: AOTInductor packages cached in ~/.cache/mtpkit/aot; aot-tuned: "
                         "those packages with freeze's GEMMs, the fastest, minutes per graph cold). "
                         "Default: TorchScript traces, an engine starts in seconds")
+    p.add_argument("--draft-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="CPU: the dtype the drafter (MTP head, Gemma 4 assistant) runs in; bfloat16 beside a float32 "
+                        "target reads half the bytes per draft pass and generates the same text (auto: the target's)")
 
 
 def memory_kwargs(args) -> dict:
@@ -104,7 +107,8 @@ def memory_kwargs(args) -> dict:
     return dict(gpu_memory_utilization=args.gpu_memory_utilization, memory_budget=args.memory_budget,
                 kv_cache_memory=args.kv_cache_memory, state_cache_memory=args.state_cache_memory,
                 num_blocks=args.num_blocks, num_state_slots=args.num_state_slots,
-                keep_fp8=FP8_WEIGHTS[args.fp8_weights], compile=getattr(args, "compile", None))
+                keep_fp8=FP8_WEIGHTS[args.fp8_weights], compile=getattr(args, "compile", None),
+                draft_dtype=getattr(args, "draft_dtype", "auto"))
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -48,6 +48,15 @@ def test_max_num_seqs_reaches_the_engine(llm_kwargs):
         cli.main(["generate", "x", "--max-num-seqs", "0"])
 
 
+def test_draft_dtype_reaches_the_engine(llm_kwargs):
+    with pytest.raises(_Captured):
+        cli.main(["generate", "x", "--num-spec", "3", "--draft-dtype", "bfloat16"])
+    assert llm_kwargs["draft_dtype"] == "bfloat16"
+    with pytest.raises(_Captured):
+        cli.main(["generate", "x"])
+    assert llm_kwargs["draft_dtype"] == "auto"
+
+
 def test_several_prompts_run_as_one_batch_each_printed_under_its_number(capsys):
     prompts = ["def fibonacci(n):", "import os\n"]
     assert cli.main(["generate", *prompts, "--max-tokens", "12"]) == 0

@@ -58,6 +58,11 @@ class EngineArgs:
     ~/.cache/mtpkit/aot: a warm start loads them), or "aot-tuned" (the same packages compiled with
     frozen weights and max-autotune's C++ GEMMs: minutes per graph cold, cached alike). None
     (default): TorchScript traces replay, so an engine starts in seconds. compile_after None: graphs.compiled.COMPILE_AFTER.
+    draft_dtype (CPU, opt-in): the dtype the drafter's own weights and passes run in ("bfloat16"
+    beside a float32 target); None or "auto": the target's dtype. What is generated does not
+    change (the target verifies every draft); a pass reads half the bytes, and the drafts (so the
+    acceptance) may differ a little. For the drafters that say so (DraftSetup.own_dtype: the MTP
+    head, the Gemma 4 assistant), one process (no tensor parallelism), weights not kept in FP8.
     """
 
     num_spec: int = 0
@@ -90,6 +95,7 @@ class EngineArgs:
     compile: str | None = None
     compile_after: int | None = None
     compile_cache_dir: str | Path | None = None
+    draft_dtype: object = None
 
 
 def check_load_format(load_format: str) -> None:

@@ -62,6 +62,7 @@ def build_engine(ckpt: Checkpoint, args: EngineArgs) -> Engine:
     draft = setup_drafter(ckpt.family, cfg, ckpt.path, num_spec=a.num_spec, draft_model=a.draft_model,
                           block_size=a.block_size, load_format=a.load_format)
     tp = tensor_parallel(ckpt, draft, a.tensor_parallel_size, device)
+    draft_dtype = resolve_draft_dtype(a, draft, device, dtype, tp.size)
     device = tp.rank_device(device)
     ecfg = engine_config(cfg, draft, a)
     # Every cache tensor the model and its drafter declare.
@@ -91,6 +92,9 @@ def build_engine(ckpt: Checkpoint, args: EngineArgs) -> Engine:
                                       cudagraph_capture_sizes=a.cudagraph_capture_sizes)
     check_pools_fit(spec, ecfg, sizes, dtype, device)
     model, drafter, cache = load_weights(ckpt, draft, a, tp, device, dtype, spec, sizes)
+    if drafter is not None and draft_dtype != dtype:
+        for m in drafter.own_modules():
+            cast_module(m, draft_dtype)
     engine = Engine(model=model, drafter=drafter, draft=draft, family=ckpt.family, model_config=cfg, tp=tp,
                     device=device, dtype=dtype, engine_config=ecfg, cache_spec=spec, capture_plan=capture_plan, cache=cache,
                     pool_sizes=sizes, memory_plan=plan, enforce_eager=a.enforce_eager,
@@ -138,6 +142,46 @@ def engine_config(cfg, draft: DraftSetup | None, a: EngineArgs) -> EngineConfig:
                         kv_read_back=draft.kv_read_back if draft else 0, max_num_seqs=a.max_num_seqs,
                         max_model_len=max_model_len, block_size=a.block_size,
                         max_num_batched_tokens=a.max_num_batched_tokens)
+
+
+def resolve_draft_dtype(a: EngineArgs, draft: DraftSetup | None, device: torch.device, dtype: torch.dtype,
+                        tp_size: int) -> torch.dtype:
+    """EngineArgs.draft_dtype resolved (None / "auto": the target's `dtype`), or a ConfigError
+    naming the fix, before any weight is read."""
+    if a.draft_dtype is None or a.draft_dtype == "auto":
+        return dtype
+    try:
+        draft_dtype = resolve_dtype(a.draft_dtype, device)
+    except ConfigError as e:
+        raise ConfigError(f"draft_dtype={a.draft_dtype!r}: {e}") from None
+    if draft_dtype == dtype:
+        return dtype
+    where = f"draft_dtype={a.draft_dtype!r} (the target runs in {str(dtype).removeprefix('torch.')})"
+    if draft is None:
+        raise ConfigError(f"{where} sets the drafter's dtype, and num_spec=0 runs no drafter; set num_spec > 0 or "
+                          "drop draft_dtype")
+    if not draft.own_dtype:
+        raise ConfigError(f"{where}: the {draft.name} drafter runs in the target's dtype (only the MTP head and the "
+                          "Gemma 4 assistant run in their own); drop draft_dtype")
+    if device.type != "cpu":
+        raise ConfigError(f"{where} is CPU-only for now (on CUDA the drafter runs in the target's dtype, "
+                          "bfloat16 by default); drop draft_dtype")
+    if tp_size > 1:
+        raise ConfigError(f"{where} runs in one process only for now; drop draft_dtype or use tensor_parallel_size=1")
+    if a.keep_fp8:
+        raise ConfigError(f"{where} casts the drafter's weights, which keep_fp8=True keeps in FP8; drop one of them")
+    return draft_dtype
+
+
+def cast_module(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """A drafter's own weights in `dtype` (EngineArgs.draft_dtype), each keeping its layout
+    (Tensor.to preserves a column-major CPU weight's strides). A MoE whose two input products
+    were merged into one matrix (MoE.merge_for_cpu) is merged again from the cast weights."""
+    module.to(dtype)
+    for m in module.modules():
+        if getattr(m, "w_in13", None) is not None:
+            m.w_in13 = None
+            m.merge_for_cpu()
 
 
 def load_weights(ckpt: Checkpoint, draft: DraftSetup | None, a: EngineArgs, tp: TP, device: torch.device,

@@ -38,6 +38,9 @@ class DraftSetup:
     kv_reads_next_token: bool = False
     # Checks of the checkpoints' headers (names, no data), run after the config checks.
     check_checkpoint: Callable[[], None] = lambda: None
+    # Its passes may run in a dtype of their own (EngineArgs.draft_dtype): its weights are its own
+    # modules' (Drafter.own_modules) and its inputs and outputs are cast at their boundary.
+    own_dtype: bool = False
 
 
 @checked

@@ -74,7 +74,7 @@ def setup(kind: DrafterKind, raw: dict, path: Path, target_cfg, num_spec: int, b
     # p-W+1: two positions more to keep (kv_read_back).
     return DraftSetup(name="gemma4 assistant", num_spec=num_spec, kv_lookahead=0, kv_read_back=2,
                       cache_spec=lambda tp_size: CacheSpec(), check_tensor_parallel=check_tensor_parallel,
-                      build=build, check_checkpoint=check_checkpoint)
+                      build=build, check_checkpoint=check_checkpoint, own_dtype=True)
 
 
 def _check_ordering(assistant: Gemma4Assistant, path: Path) -> None:
@@ -93,6 +93,9 @@ class AssistantDrafter(Drafter):
     def __init__(self, target: Gemma4ForCausalLM, assistant: Gemma4Assistant, num_spec: int, block_size: int):
         self.target, self.assistant, self.num_spec, self.block_size = target, assistant, num_spec, block_size
         self.reads = assistant.kv_reads()      # target KV group -> window (None: full)
+
+    def own_modules(self) -> list:
+        return [self.assistant]
 
     def target_block_table(self, inp: DraftInputs, cache: CacheTensors, group: str
                            ) -> Int[Tensor, "num_reqs_padded max_blocks"]:

@@ -47,7 +47,8 @@ def setup(cfg: Qwen3NextConfig, path: Path, num_spec: int, block_size: int, load
         cache_spec=lambda tp_size: Qwen3NextForCausalLM.mtp_cache_spec(cfg, tp_size),
         check_tensor_parallel=lambda size: Qwen3NextForCausalLM.check_tensor_parallel(cfg, size, with_mtp=True),
         build=lambda target, **_: MTPDrafter(target, num_spec, block_size),
-        target_kwargs={"with_mtp": True}, check_checkpoint=check_checkpoint, kv_reads_next_token=True)
+        target_kwargs={"with_mtp": True}, check_checkpoint=check_checkpoint, kv_reads_next_token=True,
+        own_dtype=True)
 
 
 class MTPDrafter(Drafter):
@@ -85,6 +86,10 @@ class MTPDrafter(Drafter):
             draft = draft_argmax(model.compute_logits(h), inp, j, draft)
             drafts.append(draft)
         return torch.stack(drafts, dim=1)
+
+    def own_modules(self) -> list:
+        """The MTP module (its embedding and lm_head are the target's: they stay in its dtype)."""
+        return [self.model.mtp]
 
     def observe(self, inp: DraftInputs, cache: CacheTensors) -> None:
         """A prefill chunk that samples nothing: the MTP layer's KV for its positions."""

@@ -79,6 +79,11 @@ class Drafter:
     def observe(self, inp: DraftInputs, cache: CacheTensors) -> None:
         pass
 
+    def own_modules(self) -> list:
+        """The nn.Modules that hold this drafter's own weights, which EngineArgs.draft_dtype casts
+        (only for a DraftSetup with own_dtype): none by default."""
+        return []
+
 
 def draft_inputs(
     hidden: Float[Tensor, "num_tokens hidden"], token_ids: Int[Tensor, "num_tokens"],

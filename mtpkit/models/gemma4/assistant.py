@@ -190,7 +190,8 @@ class Gemma4Assistant(FamilyModel):
         """(argmax draft, next step's h) from the scaled target embedding of the newest token
         and the previous h (embedding first, as transformers concatenates them). `mask`: the
         constrained rows' grammar masks; their argmax is over the tokens it allows."""
-        x = self.pre_projection(torch.cat([embedded, h], dim=-1))
+        dt = self.embed_tokens.dtype   # its own (EngineArgs.draft_dtype); the target's embedding comes in the target's
+        x = self.pre_projection(torch.cat([embedded.to(dt), h.to(dt)], dim=-1))
         for layer in self.layers:
             x = layer(x, positions, kv[layer.self_attn.kv_group], cache)
         d = self.norm(x)

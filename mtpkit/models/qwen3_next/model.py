@@ -326,7 +326,7 @@ class MTPModule(nn.Module):
                 ) -> Float[Tensor, "num_tokens hidden"]:
         # num_spec may exceed the layer count: the layers are reused in turn.
         layer = self.layers[step % len(self.layers)]
-        return self.norm(*layer(self._input(embeds, hidden), positions, meta, cache))[0]
+        return self.norm(*layer(self._input(embeds, hidden), positions, meta, cache))[0].to(hidden.dtype)
 
     @checked
     def forward_rows(self, embeds: Float[Tensor, "num_tokens hidden"], hidden: Float[Tensor, "num_tokens hidden"],
@@ -336,11 +336,15 @@ class MTPModule(nn.Module):
         """The first pass (layer 0): every token's K/V written at its slot, the output only at
         the tokens `rows`."""
         return self.norm(*self.layers[0].forward_rows(self._input(embeds, hidden), positions, slot_mappings, cache,
-                                                      rows, row_meta))[0]
+                                                      rows, row_meta))[0].to(hidden.dtype)
 
     def _input(self, embeds: Float[Tensor, "num_tokens hidden"], hidden: Float[Tensor, "num_tokens hidden"]
                ) -> Float[Tensor, "num_tokens hidden"]:
-        return self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1))
+        """In this module's dtype (EngineArgs.draft_dtype may differ from the target's, whose
+        embedding and hidden states come in; the output goes back in the hidden states' dtype)."""
+        dt = self.norm.weight.dtype
+        return self.fc(torch.cat([self.pre_fc_norm_embedding(embeds.to(dt)), self.pre_fc_norm_hidden(hidden.to(dt))],
+                                 -1))
 
 
 class Qwen3NextForCausalLM(FamilyModel):
