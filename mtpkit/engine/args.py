@@ -61,7 +61,8 @@ class EngineArgs:
     draft_dtype (CPU, opt-in): the dtype the drafter's own weights and passes run in ("bfloat16"
     beside a float32 target); None or "auto": the target's dtype. What is generated does not
     change (the target verifies every draft); a pass reads half the bytes, and the drafts (so the
-    acceptance) may differ a little. For the drafters that say so (DraftSetup.own_dtype: the MTP
+    acceptance) may differ a little. It pays in compiled graphs (compile="aot-tuned") on CPUs with
+    bfloat16 arithmetic; the traced graphs run it slower (docs/performance.md). For the drafters that say so (DraftSetup.own_dtype: the MTP
     head, the Gemma 4 assistant), one process (no tensor parallelism), weights not kept in FP8.
     """
 
