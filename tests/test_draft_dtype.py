@@ -6,11 +6,13 @@ The targets run in float64, so separately built engines agree far below any argm
 Bad values are ConfigErrors before any weight is read."""
 
 import dataclasses
+import json
+import re
 
 import pytest
 import torch
 
-from mtpkit import LLM, SamplingParams
+from mtpkit import LLM, SamplingParams, StructuredOutputs
 from mtpkit.engine import build
 from mtpkit.errors import ConfigError
 from mtpkit.graphs import compiled
@@ -91,3 +93,21 @@ def test_the_targets_dtype_and_auto_change_nothing():
     for dt in (None, "auto", "float32", torch.float32):
         llm = LLM("tiny-qwen3-next", num_spec=1, draft_dtype=dt)
         assert {p.dtype for p in llm.runner.model.mtp.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-gemma4"])
+def test_bfloat16_drafter_under_structured_outputs(name):
+    """Constrained rows draft under the grammar's masks (the assistant scores its bfloat16 logits
+    under them): the output is the target's alone, every constrained output in its language."""
+    regex = "[a-z]{4,12}(-[a-z]{4,12}){2}"
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["n"], "additionalProperties": False}
+    params = [SamplingParams(max_tokens=32, structured_outputs=StructuredOutputs(regex=regex)),
+              SamplingParams(max_tokens=32, structured_outputs=StructuredOutputs(json=schema,
+                                                                                 disable_any_whitespace=True)),
+              SamplingParams(max_tokens=16)]
+    prompts = PROMPTS[:3]
+    want = [o.outputs[0] for o in LLM(name, num_spec=0, **F64).generate(prompts, params)]
+    got = [o.outputs[0] for o in LLM(name, num_spec=3, draft_dtype="bfloat16", **F64).generate(prompts, params)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert re.fullmatch(regex, got[0].text) and isinstance(json.loads(got[1].text)["n"], int), (got[0].text, got[1].text)
