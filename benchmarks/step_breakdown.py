@@ -30,8 +30,8 @@ set-up (validation, queueing) are counted and left out. The steady state: CPU gr
 first use (`llm.runner.graphs.trace_after = 0`), two warm-up runs of the very same generations
 (so every graph key is traced, or compiled, before timing: the second meets the prefix cache as
 the timed runs do, whose prefills of a cached prompt are shorter graphs; a graph traced or
-compiled during the timed runs is reported as a fault), one intra-op thread, greedy, `ignore_eos`, and by default one stop string that never
-occurs (so the stop checks run, as for a chat request; `--no-stop` drops it). The engines are
+compiled during the timed runs is reported as a fault), one intra-op thread, greedy,
+`ignore_eos`, and by default one stop string that never occurs (so the stop checks run, as for a chat request; `--no-stop` drops it). The engines are
 timed in rounds, each round running every configuration once, so a noisy stretch of the shared
 machine hits every configuration alike.
 

@@ -62,8 +62,9 @@ class EngineArgs:
     beside a float32 target); None or "auto": the target's dtype. What is generated does not
     change (the target verifies every draft); a pass reads half the bytes, and the drafts (so the
     acceptance) may differ a little. It pays in compiled graphs (compile="aot-tuned") on CPUs with
-    bfloat16 arithmetic; the traced graphs run it slower (docs/performance.md). For the drafters that say so (DraftSetup.own_dtype: the MTP
-    head, the Gemma 4 assistant), one process (no tensor parallelism), weights not kept in FP8.
+    bfloat16 arithmetic; the traced graphs run it slower (docs/performance.md). For the drafters
+    that say so (DraftSetup.own_dtype: the MTP head, the Gemma 4 assistant), one process (no
+    tensor parallelism), weights not kept in FP8.
     """
 
     num_spec: int = 0
