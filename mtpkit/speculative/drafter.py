@@ -43,6 +43,13 @@ class DraftSetup:
     own_dtype: bool = False
 
 
+# A proposal's context length is a multiple of this: a compiled pass's attention multiplies q by
+# K^T, which inductor's GEMM template packs in blocks of 16 columns; a ragged last block (135 keys
+# at context 128 and num_spec 7) made it pack K^T one masked scalar at a time
+# (benchmarks/proposal_context.py, docs/performance.md).
+CTX_MULTIPLE = 16
+
+
 @checked
 def proposal_kv_slots(
     block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"],
@@ -57,8 +64,9 @@ def proposal_kv_slots(
     context is max_seq_len + num_passes (capped by the block table). Positions past the last
     one the passes write read that one's slot, and in a sliding pool positions before the
     first pass's window its first key's (storage the request owns; each pass then clamps
-    what lies past its own position: `draft_pass_metadata`)."""
-    ctx = min(max_seq_len + num_passes, block_tables.shape[2] * block_size)
+    what lies past its own position: `draft_pass_metadata`). The context is rounded up to a
+    multiple of CTX_MULTIPLE (the extra positions lie past every query: masked)."""
+    ctx = min(-(-(max_seq_len + num_passes) // CTX_MULTIPLE) * CTX_MULTIPLE, block_tables.shape[2] * block_size)
     return torch.stack([context_slots(table, first + (num_passes - 1), block_size, ctx, window_start(first, w))
                         for table, w in zip(block_tables, pool_windows)])
 
