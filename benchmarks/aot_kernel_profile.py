@@ -34,9 +34,14 @@ def main() -> None:
     p.add_argument("--model", default="tiny-qwen3-next")
     p.add_argument("--num-spec", type=int, default=3)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--prefill", action="store_true",
+                   help="also profile whole prefill steps (a 64-token prompt, prefix cache off: its compiled "
+                        "prefill and prefill-proposal graphs and the host work around them)")
+    p.add_argument("--draft-dtype", default=None, help="the drafter's dtype (LLM(draft_dtype=...)); default the target's")
     args = p.parse_args()
     llm = LLM(args.model, num_spec=args.num_spec, dtype="float32", max_num_seqs=1, num_threads=1,
-              compile="aot-tuned", compile_after=0, compile_cache_dir=args.cache)
+              compile="aot-tuned", compile_after=0, compile_cache_dir=args.cache, draft_dtype=args.draft_dtype,
+              enable_prefix_caching=not args.prefill)
     g = llm.runner.graphs
     g.trace_after = 0
     llm.generate([heldout_prompts(1, 64)[0]], SamplingParams(max_tokens=40, ignore_eos=True))
@@ -47,6 +52,10 @@ def main() -> None:
     if args.num_spec:
         hidden = g.verify_graphs[key](*verify_args)[0]
         graphs.append(("propose", g.propose_graphs[key], g._propose_args(n, hidden)))
+    if args.prefill:
+        prompt, one = heldout_prompts(1, 64)[0], SamplingParams(max_tokens=1, ignore_eos=True)
+        llm.generate([prompt], one)   # (the prefill's graphs compiled above, with the first prompt)
+        graphs.append(("prefill step", lambda: llm.generate([prompt], one, use_tqdm=False), ()))
     for name, fn, a in graphs:
         for _ in range(20):
             fn(*a)

@@ -180,13 +180,22 @@ def causal_conv1d_verify(
                          f"({W - 1 + B - 1}) so that every prev_num_emitted in 1..bundle has a window")
     state = conv_state[slots]  # a copy: reads finish before the write below
     cols = torch.arange(W - 1, device=x.device) + (prev_num_emitted - 1)[:, None]
-    window = state.gather(2, cols[:, None, :].expand(R, C, W - 1))
-    xt = x.transpose(1, 2)
-    seq = torch.cat([window if window.dtype == cd else window.to(cd), xt if xt.dtype == cd else xt.to(cd)],
-                    dim=2)                                                   # [R, C, W-1+B]
-    new_state = seq[:, :, 1:1 + L]
-    if new_state.shape[2] < L:
-        new_state = F.pad(new_state, (0, L - new_state.shape[2]))
+    window = state.gather(2, cols[:, None, :].expand(R, C, W - 1)).transpose(1, 2)   # [R, W-1, C]
+    # Time-major ([R, time, C]): the output is token-major like x, so what reads a token's channels
+    # (the GDN's q, k, v) reads them contiguously; a channel-major output made a compiled verify
+    # graph's recurrence load v one strided scalar at a time (docs/performance.md).
+    seq = torch.cat([window if window.dtype == cd else window.to(cd), x if x.dtype == cd else x.to(cd)],
+                    dim=1)                                                   # [R, W-1+B, C]
+    new_state = seq[:, 1:1 + L]
+    if new_state.shape[1] < L:
+        new_state = F.pad(new_state, (0, 0, 0, L - new_state.shape[1]))
+    new_state = new_state.transpose(1, 2)                                    # [R, C, L]
     conv_state[slots] = new_state if new_state.dtype == conv_state.dtype else new_state.to(conv_state.dtype)
-    out = _conv_silu(seq, weight).transpose(1, 2)
+    w = (weight if weight.dtype == cd else weight.to(cd)).t()                 # [W, C]
+    if torch.compiler.is_compiling():   # a constant of the graph: each tap's weights then contiguous
+        w = w.contiguous()
+    acc = seq[:, :B] * w[0]                        # the W taps, as _conv_silu_taps sums them
+    for j in range(1, W):
+        acc = acc + seq[:, j:j + B] * w[j]
+    out = F.silu(acc)
     return out if out.dtype == x.dtype else out.to(x.dtype)

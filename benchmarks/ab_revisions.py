@@ -1,0 +1,115 @@
+"""Whole generations of the working tree against a git revision, alternated in the same rounds
+(issue 32): the A/B for a change to what a step runs, where a kernel profile alone misleads
+(docs/performance.md, "One-row products": a product x0.31 alone, x0.996 in the generation).
+
+The revision is checked out into a temporary git worktree; one worker process per side imports
+mtpkit from its own tree (PYTHONPATH; the worker prints which), builds the engine (compiled
+graphs under `--compile`, in its warm-up: each tree's packages are named by its own source), and
+then times bench_cpu's 8 held-out prompts x `--max-tokens` tokens at batch 1 on one thread
+whenever the parent asks. The parent asks the two in turn, swapping who goes first each round,
+so only one runs at a time; the ratio is the median of same-round ratios, and the tokens must be
+identical.
+
+    python benchmarks/ab_revisions.py --base HEAD                       # uncommitted changes vs HEAD
+    python benchmarks/ab_revisions.py --base HEAD~1 --model tiny-gemma4 --num-spec 3 --draft-dtype bfloat16
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def worker(args) -> None:
+    """Reads "run" lines on stdin; answers each with one JSON line (seconds, tokens)."""
+    import torch
+
+    import mtpkit   # first: from the side's own tree (PYTHONPATH), before bench_cpu puts ROOT on sys.path
+    from mtpkit import LLM, SamplingParams
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_cpu import heldout_prompts
+    torch.set_num_threads(1)
+    kw = dict(compile=args.compile, compile_after=0) if args.compile != "none" else {}
+    llm = LLM(args.model, num_spec=args.num_spec, dtype="float32", max_num_seqs=1, num_threads=1,
+              enable_prefix_caching=False, draft_dtype=args.draft_dtype, **kw)
+    if llm.runner.graphs is not None:
+        llm.runner.graphs.trace_after = 0
+    prompts, sp = heldout_prompts(8, 64), SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    for _ in range(2):   # compiles / traces every graph the rounds use
+        llm.generate(prompts, sp)
+    print(json.dumps({"ready": mtpkit.__file__}), flush=True)
+    for line in sys.stdin:
+        t = time.perf_counter()
+        tokens = [llm.generate([q], sp)[0].token_ids for q in prompts]
+        print(json.dumps({"seconds": time.perf_counter() - t, "tokens": tokens}), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", default="HEAD", help="the git revision to compare the working tree against")
+    p.add_argument("--model", default="tiny-qwen3-next")
+    p.add_argument("--num-spec", type=int, default=7)
+    p.add_argument("--compile", default="aot-tuned", help="LLM(compile=...), or none (traced graphs)")
+    p.add_argument("--draft-dtype", default=None)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, check=True, capture_output=True,
+                         text=True).stdout.strip()
+    print(f"working tree vs {args.base} ({rev}): {args.model} num_spec {args.num_spec}, compile {args.compile}, "
+          f"draft dtype {args.draft_dtype or 'the target'}s; 8 held-out prompts x {args.max_tokens} tokens at batch 1, "
+          f"one thread, prefix cache off; {args.rounds} rounds, sides alternated; ratio: the median of same-round "
+          "ratios", flush=True)
+    with tempfile.TemporaryDirectory(prefix="mtpkit-ab-") as tmp:
+        base = Path(tmp) / "base"
+        subprocess.run(["git", "worktree", "add", "--detach", str(base), args.base], cwd=ROOT, check=True,
+                       capture_output=True)
+        try:
+            argv = [a for a in sys.argv[1:]]
+            sides = {}
+            for name, tree in (("working tree", ROOT), (f"base {rev}", base)):
+                env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+                sides[name] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv, "--worker"],
+                                               cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                               text=True)
+                # (one warm-up at a time: both would share the 2 cores while compiling)
+                ready = json.loads(sides[name].stdout.readline())["ready"]
+                print(f"  {name}: mtpkit from {ready}", flush=True)
+                if not ready.startswith(str(tree)):
+                    raise SystemExit(f"the {name} worker imported mtpkit from {ready}, not {tree}")
+            times, tokens = {n: [] for n in sides}, {}
+            for r in range(args.rounds):
+                for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+                    sides[name].stdin.write("run\n")
+                    sides[name].stdin.flush()
+                    out = json.loads(sides[name].stdout.readline())
+                    times[name].append(out["seconds"])
+                    tokens[name] = out["tokens"]
+            for s in sides.values():
+                s.stdin.close()
+                s.wait()
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, capture_output=True)
+    a, b = sides
+    n = 8 * args.max_tokens
+    ratio = statistics.median(tb / ta for ta, tb in zip(times[a], times[b]))
+    print(f"identical tokens: {tokens[a] == tokens[b]}")
+    for name in sides:
+        print(f"  {name:22s} {n / statistics.median(times[name]):8.1f} tok/s")
+    print(f"  working tree x{ratio:.3f} the base's speed (same-round ratios {min(tb / ta for ta, tb in zip(times[a], times[b])):.3f}"
+          f"..{max(tb / ta for ta, tb in zip(times[a], times[b])):.3f})")
+
+
+if __name__ == "__main__":
+    main()
