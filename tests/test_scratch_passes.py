@@ -134,3 +134,37 @@ def test_draft_model_scratch_passes(monkeypatch):
     writes = {w for _, w in proposals}
     assert len(writes) == 1 and writes.pop() > 0
     assert {w for _, w in ref_proposals} == {(1 + num_spec) * proposals[0][1]}
+
+
+def test_proposal_context_is_whole_blocks_of_keys(monkeypatch):
+    """A proposal's context is rounded up to a multiple of drafter.CTX_MULTIPLE keys (a compiled
+    pass packs K^T in 16-column blocks: benchmarks/proposal_context.py); the extra keys lie past
+    every query, so the passes' outputs and drafts are the exact-length context's."""
+    from mtpkit.speculative import drafter
+    num_spec = 3
+    llm = LLM(NAME, num_spec=num_spec, enforce_eager=True, enable_prefix_caching=False)
+    lengths = []
+    slots_of = mtp.proposal_kv_slots
+
+    def recorded(*args):
+        out = slots_of(*args)
+        lengths.append((out.shape[2], args[4] + num_spec))   # (its context, max_seq_len + passes)
+        return out
+
+    monkeypatch.setattr(mtp, "proposal_kv_slots", recorded)
+    with monkeypatch.context() as m:
+        m.setattr(drafter, "CTX_MULTIPLE", 1)
+        ref_proposals, ref_outputs = record_proposals(llm, m), record_pass_outputs(llm, m)
+        ref_tokens = generate(llm)
+    assert lengths and all(ctx == exact for ctx, exact in lengths)
+    lengths.clear()
+    proposals, outputs = record_proposals(llm, monkeypatch), record_pass_outputs(llm, monkeypatch)
+    tokens = generate(llm)
+    assert lengths and all(ctx % drafter.CTX_MULTIPLE == 0 and exact <= ctx < exact + drafter.CTX_MULTIPLE
+                           for ctx, exact in lengths)
+    assert any(ctx != exact for ctx, exact in lengths)   # rounded somewhere, or the comparison is vacuous
+    assert tokens == ref_tokens
+    assert len(proposals) >= 5 and [d for d, _ in proposals] == [d for d, _ in ref_proposals]
+    assert len(outputs) == len(ref_outputs) == len(proposals) * (num_spec - 1)
+    for h, ref in zip(outputs, ref_outputs):
+        torch.testing.assert_close(h, ref)
