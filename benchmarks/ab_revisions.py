@@ -12,6 +12,7 @@ identical.
 
     python benchmarks/ab_revisions.py --base HEAD                       # uncommitted changes vs HEAD
     python benchmarks/ab_revisions.py --base HEAD~1 --model tiny-gemma4 --num-spec 3 --draft-dtype bfloat16
+    python benchmarks/ab_revisions.py --base 1e34a40 --compile none --num-spec 3   # traced graphs
 """
 
 import argparse
@@ -68,7 +69,7 @@ def main() -> None:
     rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, check=True, capture_output=True,
                          text=True).stdout.strip()
     print(f"working tree vs {args.base} ({rev}): {args.model} num_spec {args.num_spec}, compile {args.compile}, "
-          f"draft dtype {args.draft_dtype or 'the target'}s; 8 held-out prompts x {args.max_tokens} tokens at batch 1, "
+          f"drafter dtype {args.draft_dtype or 'as the target'}; 8 held-out prompts x {args.max_tokens} tokens at batch 1, "
           f"one thread, prefix cache off; {args.rounds} rounds, sides alternated; ratio: the median of same-round "
           "ratios", flush=True)
     with tempfile.TemporaryDirectory(prefix="mtpkit-ab-") as tmp:
