@@ -62,6 +62,10 @@ def main() -> None:
     p.add_argument("--draft-dtype", default=None)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--fresh", action="store_true",
+                   help="each side compiles into an empty package cache of its own (MTPKIT_CACHE): a cold compile's "
+                        "max-autotune picks vary from compile to compile, so a side whose packages were cached would "
+                        "be compared against the other side's fresh picks")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -77,10 +81,12 @@ def main() -> None:
         subprocess.run(["git", "worktree", "add", "--detach", str(base), args.base], cwd=ROOT, check=True,
                        capture_output=True)
         try:
-            argv = [a for a in sys.argv[1:]]
+            argv = [a for a in sys.argv[1:] if a != "--fresh"]
             sides = {}
             for name, tree in (("working tree", ROOT), (f"base {rev}", base)):
                 env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+                if args.fresh:
+                    env["MTPKIT_CACHE"] = str(Path(tmp) / f"cache-{len(sides)}")
                 sides[name] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv, "--worker"],
                                                cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                text=True)
