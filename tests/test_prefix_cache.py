@@ -346,6 +346,56 @@ def test_block_keys_and_lru():
     assert alloc.allocate(2) is None and alloc.allocate(1) == [2]
 
 
+def test_block_keys_from_a_tail_are_the_whole_sequences():
+    """extend_keys reading the sequence from the first block not keyed yet (what a step passes:
+    its host work must not grow with the sequence) gives the keys the whole sequence gives, with
+    and without the lookahead token; a tail that leaves out an unkeyed block is refused."""
+    root = root_key("m")
+    g = torch.Generator().manual_seed(0)
+    for lookahead in (False, True):
+        toks = torch.randint(0, 257, (200,), generator=g).tolist()
+        whole = []
+        extend_keys(whole, toks, 16, lookahead, root)
+        keys, end = [], 0
+        for step in (5, 17, 1, 40, 3, 64, 70):   # steps of any size, as a request's grow
+            end = min(end + step, len(toks))
+            start = len(keys) * 16
+            extend_keys(keys, toks[start:end], 16, lookahead, root, offset=start)
+        assert len(whole) == 12 and keys == whole
+    with pytest.raises(ValueError, match="leave out block 0"):
+        extend_keys([], toks[16:], 16, False, root, offset=16)
+
+
+def test_verify_steps_do_not_build_the_whole_sequence(monkeypatch):
+    """A verify step reads a request's last token and, with the prefix cache, only the tokens of
+    the blocks not keyed yet (Request.last_token_id, Request.tokens_from): Request.all_token_ids,
+    a copy of the whole sequence, is never built inside one (it made a step's host work grow
+    with the sequence); the prefill steps may use it."""
+    from mtpkit.engine.request import Request
+    from mtpkit.engine.runner import ModelRunner
+    from mtpkit.engine.scheduler import Scheduler, StepKind
+    calls, in_verify = [], [False]
+    whole = Request.all_token_ids.fget
+    monkeypatch.setattr(Request, "all_token_ids", property(lambda r: calls.append(in_verify[0]) or whole(r)))
+
+    def during_verify(method, is_verify):
+        def run(self, plan, *args):
+            in_verify[0] = is_verify(plan)
+            try:
+                return method(self, plan, *args)
+            finally:
+                in_verify[0] = False
+        return run
+    monkeypatch.setattr(ModelRunner, "_verify", during_verify(ModelRunner._verify, lambda plan: True))
+    monkeypatch.setattr(Scheduler, "update", during_verify(Scheduler.update, lambda plan: plan.kind == StepKind.VERIFY))
+    for cache in (True, False):
+        calls.clear()
+        llm = LLM("tiny-qwen3-next", num_spec=2, enable_prefix_caching=cache, block_size=BLOCK)
+        out = llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=48, ignore_eos=True))[0]
+        assert len(out.outputs[0].token_ids) == 48
+        assert calls and not any(calls), f"prefix cache {cache}: {sum(calls)} whole-sequence copies in verify steps"
+
+
 def extend_keys_same(toks, root):
     keys = []
     extend_keys(keys, toks, 16, False, root)

@@ -33,15 +33,20 @@ def root_key(salt: str) -> bytes:
     return hashlib.blake2b(salt.encode(), digest_size=16).digest()
 
 
-def extend_keys(keys: list[bytes], tokens: Sequence[int], block_size: int, lookahead: bool, root: bytes) -> None:
-    """Append the keys of the blocks of `tokens` not keyed yet: block i once its tokens are
-    known (and with `lookahead` the token after it too)."""
+def extend_keys(keys: list[bytes], tokens: Sequence[int], block_size: int, lookahead: bool, root: bytes,
+                offset: int = 0) -> None:
+    """Append the keys of the blocks of the sequence not keyed yet: block i once its tokens are
+    known (and with `lookahead` the token after it too). `tokens`: the sequence from position
+    `offset` on (at most len(keys) * block_size: the tokens of the blocks keyed already may be left out)."""
     i = len(keys)
-    while (i + 1) * block_size + lookahead <= len(tokens):
+    if offset > i * block_size:
+        raise ValueError(f"tokens from position {offset} leave out block {i}, the first one not keyed yet")
+    while (i + 1) * block_size + lookahead <= offset + len(tokens):
+        lo = i * block_size - offset
         h = hashlib.blake2b(keys[-1] if keys else root, digest_size=16)
-        h.update(array("q", tokens[i * block_size:(i + 1) * block_size]).tobytes())
+        h.update(array("q", tokens[lo:lo + block_size]).tobytes())
         if lookahead:
-            h.update(b"next" + array("q", [tokens[(i + 1) * block_size]]).tobytes())
+            h.update(b"next" + array("q", [tokens[lo + block_size]]).tobytes())
         keys.append(h.digest())
         i += 1
 

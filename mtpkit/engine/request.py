@@ -149,6 +149,16 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def last_token_id(self) -> int:
+        """all_token_ids[-1], without building the whole sequence (a verify step's first input)."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def tokens_from(self, start: int) -> list[int]:
+        """all_token_ids[start:], without building the part before it."""
+        p = len(self.prompt_token_ids)
+        return self.output_token_ids[start - p:] if start >= p else self.prompt_token_ids[start:] + self.output_token_ids
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

@@ -255,7 +255,7 @@ class ModelRunner:
         # (constrained drafting may rewrite them; limits capped at a forbidden draft), then bundle
         # position j's mask (the grammar after drafts 0..j-1) filled by a worker during the forward.
         pending = self.structured.verify(reqs, limit_list, B)
-        rows = [UniformRow([r.all_token_ids[-1]] + r.drafts, r.num_computed, [t.ids for t in r.block_tables],
+        rows = [UniformRow([r.last_token_id] + r.drafts, r.num_computed, [t.ids for t in r.block_tables],
                            r.state_slots, r.prev_num_emitted) for r in reqs]
         meta = None
         try:

@@ -222,15 +222,18 @@ class Scheduler:
         if not r.num_preemptions:
             r.num_cached_tokens = r.num_computed
 
-    def _key_blocks(self, r: Request, tokens: list[int], verify_start: int | None = None) -> None:
+    def _key_blocks(self, r: Request, emitted: list[int], verify_start: int | None = None) -> None:
         """After a step: key r's blocks below num_computed (every position written by accepted
-        tokens; `tokens` its sequence with the step's emitted ones), and save state snapshots
+        tokens; `emitted` the step's tokens, not yet in r's outputs), and save state snapshots
         at the boundaries reached (a prefill chunk's end; in a verify step that began at
-        `verify_start`, the last block boundary its accepted tokens crossed)."""
+        `verify_start`, the last block boundary its accepted tokens crossed). Only the tokens
+        from the first block not keyed yet are read: a step's host work does not grow with the
+        sequence."""
         if self.prefix is None or not r.block_tables:
             return
         bs, keys = self.cfg.block_size, r.block_keys
-        extend_keys(keys, tokens, bs, self.prefix.lookahead, self.prefix.root)
+        start = len(keys) * bs
+        extend_keys(keys, r.tokens_from(start) + emitted, bs, self.prefix.lookahead, self.prefix.root, offset=start)
         hi = min(r.num_computed // bs, len(keys))
         if hi > r.num_keyed:
             self.pools.key(r.block_tables, keys, r.num_keyed, hi)
@@ -422,13 +425,13 @@ class Scheduler:
                 if res.prompt_logprobs:
                     r.prompt_logprobs.extend(res.prompt_logprobs)
                 r.num_computed += plan.chunk_lens[i]
-                self._key_blocks(r, r.all_token_ids + res.emitted)
+                self._key_blocks(r, res.emitted)
                 if r.in_prefill:
                     continue
                 r.prev_num_emitted = plan.bundle  # prefill leaves state as if the whole bundle was accepted
             else:
                 r.num_computed += res.num_emitted
-                self._key_blocks(r, r.all_token_ids + res.emitted, r.num_computed - res.num_emitted)
+                self._key_blocks(r, res.emitted, r.num_computed - res.num_emitted)
                 r.prev_num_emitted = res.num_emitted
                 r.stats.record(res.drafted, res.num_emitted - 1)
             r.drafts = res.drafts
