@@ -45,8 +45,8 @@ def _conv_silu(seq: Float[Tensor, "num_reqs conv_dim ctx_len"], weight: Float[Te
 def _conv_silu_taps(seq: Float[Tensor, "num_reqs conv_dim ctx_len"], weight: Float[Tensor, "conv_dim conv_width"]
                     ) -> Float[Tensor, "num_reqs conv_dim q_len"]:
     """_conv_silu as W shifted multiply-adds: from ~16 tokens faster on CPU than the windows'
-    product and sum (~3x at 64; benchmarks/conv_prefill.py); a step of fewer tokens (a short
-    prefill chunk, the captured verify) keeps the four-op form."""
+    product and sum (~3x at 64; benchmarks/conv_prefill.py); a short prefill chunk keeps the
+    four-op form. (causal_conv1d_verify sums its taps the same way, time-major.)"""
     W = weight.shape[1]
     T = seq.shape[2] - W + 1
     w = weight if weight.dtype == seq.dtype else weight.to(seq.dtype)
@@ -194,8 +194,8 @@ def causal_conv1d_verify(
     w = (weight if weight.dtype == cd else weight.to(cd)).t()                 # [W, C]
     if torch.compiler.is_compiling():   # a constant of the graph: each tap's weights then contiguous
         w = w.contiguous()
-    acc = seq[:, :B] * w[0]                        # the W taps, as _conv_silu_taps sums them
+    acc = seq[:, :B] * w[0]                        # the W taps, summed as _conv_silu_taps sums them
     for j in range(1, W):
-        acc = acc + seq[:, j:j + B] * w[j]
+        acc.addcmul_(seq[:, j:j + B], w[j])
     out = F.silu(acc)
     return out if out.dtype == x.dtype else out.to(x.dtype)
