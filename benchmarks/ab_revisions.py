@@ -8,7 +8,8 @@ graphs under `--compile`, in its warm-up: each tree's packages are named by its 
 then times bench_cpu's 8 held-out prompts x `--max-tokens` tokens at batch 1 on one thread
 whenever the parent asks. The parent asks the two in turn, swapping who goes first each round,
 so only one runs at a time; the ratio is the median of same-round ratios, and the tokens must be
-identical.
+identical. It also times the graphs' replays in each side, and prints the time outside them (the
+host work) per token: a host change is measured without the graphs' run-to-run spread.
 
     python benchmarks/ab_revisions.py --base HEAD                       # uncommitted changes vs HEAD
     python benchmarks/ab_revisions.py --base HEAD~1 --model tiny-gemma4 --num-spec 3 --draft-dtype bfloat16
@@ -46,11 +47,31 @@ def worker(args) -> None:
     prompts, sp = heldout_prompts(8, 64), SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     for _ in range(2):   # compiles / traces every graph the rounds use
         llm.generate(prompts, sp)
+    # The time inside the graphs' replays, so that the host's share (the rest) is compared on its
+    # own: a host change of tens of microseconds a step is lost in the graphs' run-to-run spread.
+    inside = [0.0]
+
+    def timed(fn):
+        def replay(*a):
+            t = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                inside[0] += time.perf_counter() - t
+        return replay
+    g = llm.runner.graphs
+    if g is not None:   # every graph the rounds replay was made in the warm-up
+        for name in ("verify_graphs", "propose_graphs", "prefill_graphs", "prefill_proposal_graphs", "control_graphs"):
+            graphs = getattr(g, name, {})
+            for key, fn in graphs.items():
+                if fn is not None:
+                    graphs[key] = timed(fn)
     print(json.dumps({"ready": mtpkit.__file__}), flush=True)
     for line in sys.stdin:
+        inside[0] = 0.0
         t = time.perf_counter()
         tokens = [llm.generate([q], sp)[0].token_ids for q in prompts]
-        print(json.dumps({"seconds": time.perf_counter() - t, "tokens": tokens}), flush=True)
+        print(json.dumps({"seconds": time.perf_counter() - t, "graphs": inside[0], "tokens": tokens}), flush=True)
 
 
 def main() -> None:
@@ -95,13 +116,14 @@ def main() -> None:
                 print(f"  {name}: mtpkit from {ready}", flush=True)
                 if not ready.startswith(str(tree)):
                     raise SystemExit(f"the {name} worker imported mtpkit from {ready}, not {tree}")
-            times, tokens = {n: [] for n in sides}, {}
+            times, graph_times, tokens = {n: [] for n in sides}, {n: [] for n in sides}, {}
             for r in range(args.rounds):
                 for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
                     sides[name].stdin.write("run\n")
                     sides[name].stdin.flush()
                     out = json.loads(sides[name].stdout.readline())
                     times[name].append(out["seconds"])
+                    graph_times[name].append(out["graphs"])
                     tokens[name] = out["tokens"]
             for s in sides.values():
                 s.stdin.close()
@@ -116,6 +138,15 @@ def main() -> None:
         print(f"  {name:22s} {n / statistics.median(times[name]):8.1f} tok/s")
     print(f"  working tree x{ratio:.3f} the base's speed (same-round ratios {min(tb / ta for ta, tb in zip(times[a], times[b])):.3f}"
           f"..{max(tb / ta for ta, tb in zip(times[a], times[b])):.3f})")
+    # Outside the graphs' replays: the host work (and the eager parts of a prefill), per token.
+    host = {name: [(t - gt) / n * 1e6 for t, gt in zip(times[name], graph_times[name])] for name in sides}
+    inside = {name: [gt / n * 1e6 for gt in graph_times[name]] for name in sides}
+    for name in sides:
+        print(f"  {name:22s} outside the graphs {statistics.median(host[name]):7.1f} us/token, "
+              f"inside {statistics.median(inside[name]):7.1f} us/token")
+    diffs = [hb - ha for ha, hb in zip(host[a], host[b])]
+    print(f"  outside the graphs, working tree - base: {-statistics.median(diffs):+.1f} us/token "
+          f"(same-round differences {-max(diffs):+.1f}..{-min(diffs):+.1f})")
 
 
 if __name__ == "__main__":

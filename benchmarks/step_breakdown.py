@@ -11,7 +11,8 @@ phases are exclusive times that partition the step's wall time:
     schedule         Scheduler.schedule
     metadata         CapturedSteps.verify / .propose outside their graph calls: StaticBuffers.fill (the
                      rows written into the static buffers) and the proposal's copies of what was emitted
-    sampling         ModelRunner._sampling, SamplingTensors.from_params
+    sampling         ModelRunner._sampling, SamplingTensors.from_params (not run by greedy steps without
+                     controls or logprobs: Request.plain_greedy)
     rejection        rejection_sample: not run by these greedy steps, whose outcome the verify graph computes
                      (ModelRunner.greedy_in_step); it runs for sampled or controlled steps
     step glue        Engine.advance / Engine.step, ModelRunner.execute / _verify outside the phases above: the
@@ -336,7 +337,9 @@ class Breakdown:
             skip.add("propose graph")
         if not self.has_stop:
             skip.add("stop checks")
-        skip.add("rejection")   # greedy steps: their outcome is the verify graph's (ModelRunner.greedy_in_step)
+        # greedy steps without controls or logprobs: their outcome is the verify graph's, and no
+        # sampling settings are built (ModelRunner.greedy_in_step, Request.plain_greedy)
+        skip.update(("rejection", "sampling"))
         return tuple(p for p in PHASES if p not in skip)
 
 

@@ -310,11 +310,14 @@ class LLM:
             while live:
                 # The step this caller ran, or the one another caller was running (Engine.advance).
                 stepped = [r for r in self.engine.advance() if r.req_id in live]
-                stepped_ids = {r.req_id for r in stepped}
                 # Requests that another step advanced or that were aborted (LLM.abort) since this
-                # caller last looked, and are in no step it saw: report them too.
-                others = [r for r in live.values() if r.req_id not in stepped_ids and
-                          (r.status == Status.FINISHED or len(r.output_token_ids) > seen[r.req_id])]
+                # caller last looked, and are in no step it saw: report them too (none when the
+                # step advanced every live one, as in a steady batch).
+                others = []
+                if len(stepped) < len(live):
+                    stepped_ids = {r.req_id for r in stepped}
+                    others = [r for r in live.values() if r.req_id not in stepped_ids and
+                              (r.status == Status.FINISHED or len(r.output_token_ids) > seen[r.req_id])]
                 for r in stepped + others:
                     if r.req_id not in live:
                         continue

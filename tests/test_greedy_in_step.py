@@ -4,7 +4,8 @@ read back as one int tensor) instead of sampling the logits eagerly. Both must d
 the rule against a plain-Python statement of it and against the eager rejection on random
 logits and drafts (non-finite positions, ties, padded rows with draft limit 0), traced too; and
 an LLM's greedy tokens on the fast path equal to enforce_eager's with the eager rejection, both
-families, num_spec 0 and 3, batch 1 and 8."""
+families, num_spec 0 and 3, batch 1 and 8. A step of plain greedy rows runs no tensor op on the
+host but its read-backs (the proposal reads the verify graph's outcome where the graph wrote it)."""
 
 import math
 
@@ -127,3 +128,50 @@ def test_fast_path_greedy_equals_eager(monkeypatch, name, k):
         assert calls["rejection"] > calls["prefill"]
         assert got == want, (name, k, len(batch))
     assert fast.runner.graphs.verify_graphs, "the decode steps were meant to replay traces"
+
+
+class _HostCalls(torch.overrides.TorchFunctionMode):
+    """The torch functions and tensor methods called from Python (what a replayed graph runs
+    inside it is not seen)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("k", [0, 3])
+def test_plain_greedy_step_runs_no_host_tensor_op_but_its_read_backs(name, k):
+    """A verify step whose rows are all plain greedy (no controls, logprobs or grammar), replayed
+    from traces: the host reads back the verify graph's outcome (and the proposal's drafts) and
+    runs no other tensor op, since each op after a graph runs with the caches cold (~10 us): the
+    proposal reads what the verify graph emitted from the buffers the graph wrote. The tokens stay
+    the eager engine's (test_fast_path_greedy_equals_eager)."""
+    llm = LLM(name, draft_model=MODELS[name] if k else None, num_spec=k, dtype="float64", max_num_seqs=2,
+              max_model_len=96, enable_prefix_caching=False)   # (no state snapshots: their copies are host ops)
+    llm.runner.graphs.trace_after = 0
+    prompts = [llm.tokenizer.encode(t).ids for t in ("def fibonacci(n):", "The capital of")]
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate(prompts, sp)]   # traces every graph these steps replay
+    steps, real = [], llm.runner.execute
+
+    def execute(plan):
+        with _HostCalls() as calls:
+            out = real(plan)
+        steps.append((plan.kind.value, calls.names))
+        return out
+    llm.runner.execute = execute
+    got = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert got == want
+    verify = [names for kind, names in steps if kind == "verify"]
+    assert len(verify) >= 3
+    read_backs = ["tolist"] * (2 if k else 1)   # the verify outcome, then the drafts
+    assert all(names == read_backs for names in verify), verify
+    # a step with a row that samples runs the eager path (its sampling, rejection, finite check)
+    steps.clear()
+    llm.generate(prompts, [sp, SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=1)])
+    assert all(len(names) > len(read_backs) for kind, names in steps if kind == "verify")

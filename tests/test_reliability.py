@@ -96,11 +96,11 @@ def _arm(llm: LLM, where: str, monkeypatch) -> Fault:
         real = llm.runner.execute
         f = Fault(real, at=1, after=True)
         monkeypatch.setattr(llm.runner, "execute", f)
-    elif where == "verify":          # the 3rd sampling: inside a verify step, after its forward
-        # (the runner's sampling settings: built by every sampling step, greedy ones too, whose
-        # outcome the verify body computes without rejection_sample)
-        f = Fault(llm.runner._sampling, at=3)
-        monkeypatch.setattr(llm.runner, "_sampling", f)
+    elif where == "verify":          # the 2nd verify step, after its forward (caches written)
+        # (the eager engine calls the verify body itself; a plain greedy step samples nothing on
+        # the host: the body's greedy outcome is the step's)
+        f = Fault(llm.runner.bodies.verify, at=2, after=True)
+        monkeypatch.setattr(llm.runner.bodies, "verify", f)
     elif where == "graph_verify":    # the traced verify graph replayed, then the interrupt
         f = Fault(llm.runner.graphs.verify, at=2, after=True)
         monkeypatch.setattr(llm.runner.graphs, "verify", f)
@@ -175,7 +175,7 @@ def test_interrupt_leaves_requests_outside_the_call_running(where, monkeypatch):
 
 def test_any_exception_in_generate_aborts_the_call(monkeypatch):
     llm = _engine()
-    monkeypatch.setattr(llm.runner, "_sampling", Fault(llm.runner._sampling, at=2, exc=RuntimeError))
+    monkeypatch.setattr(llm.runner.bodies, "verify", Fault(llm.runner.bodies.verify, at=2, exc=RuntimeError))
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate(PROMPTS, SP)
     _assert_idle(llm)

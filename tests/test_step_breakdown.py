@@ -20,11 +20,13 @@ def test_short_run_every_phase_reported_run_and_adding_up():
     assert b.new_graphs == 0
     assert b.steps >= 3 and b.tokens_per_step >= 1
     # every phase is reported, and with num_spec 1 and a stop string each one ran but rejection
-    # sampling: a greedy step's outcome is computed inside the verify graph
-    assert set(b.phase_ms) == set(sb.PHASES) and set(sb.PHASES) - set(b.expected_phases()) == {"rejection"}
+    # sampling and the sampling settings: a plain greedy step's outcome is computed inside the
+    # verify graph
+    assert set(b.phase_ms) == set(sb.PHASES) and set(sb.PHASES) - set(b.expected_phases()) == {"rejection", "sampling"}
     assert all(b.calls_per_step.get(p) for p in b.expected_phases() if p != sb.ROOT), b.calls_per_step
     assert all(b.phase_ms[p] > 0 for p in b.expected_phases()), b.phase_ms
     assert not b.calls_per_step.get("rejection") and b.phase_ms["rejection"] == 0
+    assert not b.calls_per_step.get("sampling") and b.phase_ms["sampling"] == 0
     # the phases partition the step: they add up to its wall time within the wrappers' measured cost
     assert b.wrapper_us > 0 and b.overhead_ms > 0
     assert abs(sum(b.phase_ms.values()) - b.ms_per_step) <= b.overhead_ms

@@ -278,7 +278,7 @@ class Engine:
         if plan is None:
             return []
         self._publish(Op("step"))   # a follower's scheduler makes the same plan
-        start, emitted = time.monotonic(), sum(len(r.output_token_ids) for r in plan.reqs)
+        start = time.monotonic()
         try:
             results = self.runner.execute(plan)
             finished = self.scheduler.update(plan, results)
@@ -295,8 +295,7 @@ class Engine:
             raise
         for r in finished:
             self.stats.merge(r.stats)
-        self.step_log.record(plan.kind.value, tuple(r.req_id for r in plan.reqs),
-                             sum(len(r.output_token_ids) for r in plan.reqs) - emitted, start)
+        self.step_log.record(plan.kind.value, tuple(r.req_id for r in plan.reqs), self.scheduler.num_appended, start)
         return plan.reqs
 
     @_serialized

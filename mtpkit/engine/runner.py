@@ -34,6 +34,13 @@ from mtpkit.engine.step_bodies import StepBodies, verify_inputs
 from mtpkit.structured.step_masks import StructuredMasks
 
 
+# Inference mode as torch.inference_mode() sets it, by its guard alone: the decorator builds and
+# clones a context object in Python at every step, host work that runs with the caches cold
+# after a graph. The public context where torch has no such guard.
+_inference_mode = (lambda: torch._C._InferenceMode(True)) if hasattr(torch._C, "_InferenceMode") \
+    else torch.inference_mode
+
+
 class ModelRunner:
     def __init__(self, model, drafter: Drafter | None, cache: CacheTensors, ecfg: EngineConfig,
                  device: torch.device, plan: CapturePlan | None = None):
@@ -64,13 +71,13 @@ class ModelRunner:
             self._all_greedy[n] = SamplingTensors.from_params([SamplingParams()] * n, self.device)
         return self._all_greedy[n]
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[ReqResult]:
-        if plan.copies:   # copy-on-write blocks and forked samples' state, before anything writes
-            self.cache.apply(plan.copies)
-        if plan.kind == StepKind.PREFILL:
-            return self._prefill(plan)
-        return self._verify(plan)
+        with _inference_mode():
+            if plan.copies:   # copy-on-write blocks and forked samples' state, before anything writes
+                self.cache.apply(plan.copies)
+            if plan.kind == StepKind.PREFILL:
+                return self._prefill(plan)
+            return self._verify(plan)
 
     # ---- generation controls ------------------------------------------------------------
     def _controls(self, logits, drafts, reqs, captured: bool):
@@ -255,50 +262,58 @@ class ModelRunner:
         # (constrained drafting may rewrite them; limits capped at a forbidden draft), then bundle
         # position j's mask (the grammar after drafts 0..j-1) filled by a worker during the forward.
         pending = self.structured.verify(reqs, limit_list, B)
+        # Every row greedy without controls, logprobs or a grammar: the verify body's greedy
+        # outcome is the step's, and no tensor op runs on the host besides reading it back (each
+        # op after a graph costs ~10 us: the graph's weights have evicted the host's code and data).
+        plain = pending is None and self.greedy_in_step and all(r.plain_greedy for r in reqs)
         rows = [UniformRow([r.last_token_id] + r.drafts, r.num_computed, [t.ids for t in r.block_tables],
                            r.state_slots, r.prev_num_emitted) for r in reqs]
-        meta = None
+        meta = processed = masks = None
         try:
             if self.graphs is not None:
                 hidden, logits, greedy, positions, token_ids, limit = self.graphs.verify(rows, n, limit_list)
-                if R < n:
-                    limit = limit[:R]
             else:  # the body CapturedSteps captures, on this step's own tensors
                 token_ids, positions, meta = build_uniform(rows, n, self.cfg.block_size, self.cfg.max_blocks,
                                                            self.device)
                 limit = torch.tensor(limit_list, dtype=torch.int64, device=self.device)
                 step = verify_inputs(token_ids, positions, meta)
                 hidden, logits, greedy = self.bodies.verify(meta.max_seq_len, *step, limit, self.cache)
-            # (a batch that fills its graph size takes views without slicing rows: each op is host time)
-            logits = logits.view(n, B, -1) if R == n else logits.view(n, B, -1)[:R]
-            drafts = token_ids.view(n, B)[:, 1:] if R == n else token_ids.view(n, B)[:R, 1:]   # [R, k]: d_1..d_k
-            sampling = self._sampling([r.params for r in reqs])
-            # Bundle index j samples the token at position num_computed + 1 + j.
-            # The generation controls at every bundle position (drafts before it count as generated).
-            processed = self._controls(logits, drafts, reqs, captured=self.graphs is not None)
-            masks = None if pending is None else pending.join()   # the worker's masks, to the device
+            if not plain:
+                if R < n:
+                    limit = limit[:R]
+                # (a batch that fills its graph size takes views without slicing rows: each op is host time)
+                logits = logits.view(n, B, -1) if R == n else logits.view(n, B, -1)[:R]
+                drafts = token_ids.view(n, B)[:, 1:] if R == n else token_ids.view(n, B)[:R, 1:]   # [R, k]: d_1..d_k
+                sampling = self._sampling([r.params for r in reqs])
+                # Bundle index j samples the token at position num_computed + 1 + j.
+                # The generation controls at every bundle position (drafts before it count as generated).
+                processed = self._controls(logits, drafts, reqs, captured=self.graphs is not None)
+                masks = None if pending is None else pending.join()   # the worker's masks, to the device
         except BaseException:
             if pending is not None:   # nothing else touches the matchers while the worker does
                 pending.settle()
             raise
-        controlled = processed is not logits or masks is not None
-        tokens_all = num_all = None
-        if sampling.all_greedy and not controlled and self.greedy_in_step:
+        controlled = not plain and (processed is not logits or masks is not None)
+        # With graphs (one rank), the proposal reads the verify graph's greedy outcome of every row
+        # (padded ones too) where the graph left it; otherwise the tokens are handed to it.
+        in_buffers = False
+        if plain or (sampling.all_greedy and not controlled and self.greedy_in_step):
             # The verify body's own outcome (sampling/rejection.greedy_verify, the rule
             # rejection_sample applies to greedy rows): tokens, num_emitted and the finite check
             # per row, read back at once.
-            out = greedy if R == n else greedy[:R]
             if self.tp.size > 1:   # rank 0 decides
-                out = self.tp.broadcast(out.contiguous())
-            packed = out.tolist()
+                out = self.tp.broadcast((greedy if R == n else greedy[:R]).contiguous())
+                packed = out.tolist()
+            else:
+                out = greedy
+                packed = greedy.tolist()[:R]
             tok_list = [row[:B] for row in packed]
             emitted_counts = [row[B] for row in packed]
             finite_list = [row[B + 1:] for row in packed]
             dead = {}
-            if self.graphs is not None and self.tp.size == 1:   # the proposal reads every row's, padded ones too
-                tokens_all, num_all = greedy[:, :B], greedy[:, B]
-                tokens = tokens_all if R == n else tokens_all[:R]
-            else:
+            in_buffers = self.graphs is not None and self.tp.size == 1
+            if not (plain and in_buffers):   # tensors for the logprobs or the proposal
+                out = out if R == n or self.tp.size > 1 else out[:R]
                 tokens, num_emitted = out[:, :B], out[:, B]
         else:
             if masks is not None:   # after the controls, in place, the constrained rows only
@@ -317,11 +332,9 @@ class ModelRunner:
                 finite, live = both[:, B + 1:2 * B + 1], both[:, 2 * B + 1:]
             emitted_counts, tok_list, finite_list = num_emitted.tolist(), tokens.tolist(), finite.tolist()
             dead = self._dead_ends(live.tolist(), emitted_counts) if controlled else {}
-        if tokens_all is None:
-            tokens_all, num_all = tokens, num_emitted
         # Logprobs before the drafter runs (its replay may reuse the logits' buffers): bundle
         # index j of row i is the target's distribution at the token of position num_computed + 1 + j.
-        ask = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        ask = [] if plain else [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         step_lps = {}
         if ask:
             raw = logits if masks is None else masks.raw_logits(logits)
@@ -331,14 +344,16 @@ class ModelRunner:
         new_drafts = [[] for _ in reqs]
         if self.drafter is not None:
             def propose(draft_masks):
-                if self.graphs is not None:
-                    drafts_out = self.graphs.propose(tokens_all, num_all, draft_masks)
+                if in_buffers:
+                    drafts_out = self.graphs.propose(None, None, draft_masks)   # every row's, padded ones too
+                elif self.graphs is not None:
+                    drafts_out = self.graphs.propose(tokens, num_emitted, draft_masks)
                 else:  # eager: no padded rows (n == R), so what was emitted is every row's
                     drafts_out = self.bodies.propose(meta.max_seq_len, hidden, tokens.reshape(-1), num_emitted,
                                                      *step, self.cache, draft_masks)
-                if self.tp.size > 1:   # (drafts_out has the R real rows: the padded ones are cut)
-                    drafts_out = self.tp.broadcast(drafts_out.contiguous())
-                return drafts_out.tolist()
+                if self.tp.size > 1:   # rank 0 decides, for the real rows
+                    drafts_out = self.tp.broadcast(drafts_out[:R].contiguous())
+                return drafts_out.tolist()[:R]
             # constrained rows draft under their grammar (after what they emitted)
             draft_masks = self._draft_masks(reqs, masks, [tok_list[i][:emitted_counts[i]] for i in range(R)])
             new_drafts = self._constrained_drafts(propose, draft_masks)

@@ -88,6 +88,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._last = StepKind.VERIFY
         self._copies, self._forked = CacheCopies(), []
+        self.num_appended = 0   # output tokens the last update appended
 
     def add(self, req: Request) -> None:
         """Queue req (with its req.forks: the other samples of its prompt, not queued themselves)."""
@@ -108,9 +109,10 @@ class Scheduler:
     # ---- scheduling -----------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         plan = self._schedule()
-        if plan is not None:
+        if plan is not None and (self._copies or self._forked):   # (else the plan's own, empty)
             plan.copies, plan.forked = self._copies, self._forked
             self._copies, self._forked = CacheCopies(), []
+        if plan is not None:
             if self.prefix is not None:   # the snapshots this plan's copies read and write are done with it
                 self.prefix.snapshots.pinned.clear()
         return plan
@@ -125,7 +127,7 @@ class Scheduler:
             if plan is not None:
                 self._last = StepKind.PREFILL
                 return plan
-        decoding = [r for r in self.running if not r.in_prefill]
+            decoding = [r for r in self.running if not r.in_prefill]   # (a prefill that did not fit may preempt)
         if decoding:
             plan = self._schedule_verify(decoding)
             if plan is not None:
@@ -407,8 +409,10 @@ class Scheduler:
 
     # ---- results --------------------------------------------------------------------
     def update(self, plan: StepPlan, results: list[ReqResult]) -> list[Request]:
-        """Apply a step's results; returns the requests that finished."""
+        """Apply a step's results; returns the requests that finished. `num_appended`: the output
+        tokens it appended (what the step emitted, after stops)."""
         finished = []
+        self.num_appended = 0
         for i, (r, res) in enumerate(zip(plan.reqs, results)):
             if r.status == Status.FINISHED:
                 continue  # aborted while its step ran (a stream collected by gc mid-step)
@@ -450,6 +454,7 @@ class Scheduler:
             r.num_steps += 1
         for i, t in enumerate(tokens):
             r.output_token_ids.append(t)
+            self.num_appended += 1
             if r.output_logprobs is not None:   # cut with the tokens: appended one by one
                 r.output_logprobs.append(logprobs[i])
             # A verify step emits its accepted drafts (positions 1..), then the target's token.

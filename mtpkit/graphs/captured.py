@@ -43,7 +43,7 @@ to inert values, and a block table row's stale tail is cleared only as far as it
 
 import dataclasses
 import warnings
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -98,8 +98,7 @@ class Bodies(Protocol):
 VERIFY_INPUTS, PROPOSE_INPUTS, PREFILL_PROPOSAL_INPUTS, PREFILL_INPUTS = 8, 10, 7, 8
 
 
-@dataclasses.dataclass(frozen=True)
-class LastVerify:
+class LastVerify(NamedTuple):   # (a tuple: made every step, a frozen dataclass costs ~2 us more)
     """What the last `verify` ran, so that `propose` runs the matching body."""
 
     num_reqs_padded: int
@@ -274,7 +273,21 @@ class CapturedSteps:
         return lambda *args: body(max_seq_len, *args[:inputs], self.cache.with_tensors(args[inputs:]))
 
     def _verify_fn(self, max_seq_len: int):
-        return self._flat(self.bodies.verify, max_seq_len, VERIFY_INPUTS)
+        """The verify body, then its greedy outcome written into the proposal's inputs (two more
+        arguments after the verify inputs: `emitted`, `num_emitted`): an all-greedy step hands it
+        on inside the graph, with no tensor op on the host between the two graphs (each such op
+        runs with the caches cold after a graph, ~10 us). A step that samples overwrites them
+        (`propose` given its tokens). Without a drafter nothing reads them: the two are left alone."""
+        B, n_in, handed_on = self.bundle, VERIFY_INPUTS, self.bodies.has_drafter
+
+        def verify(*args):
+            hidden, logits, greedy = self.bodies.verify(max_seq_len, *args[:n_in], self.cache.with_tensors(args[n_in + 2:]))
+            if handed_on:
+                emitted, num_emitted = args[n_in], args[n_in + 1]
+                emitted.view(-1, B).copy_(greedy[:, :B])
+                num_emitted.copy_(greedy[:, B])
+            return hidden, logits, greedy
+        return verify
 
     def _propose_fn(self, max_seq_len: int):
         return self._flat(self.bodies.propose, max_seq_len, PROPOSE_INPUTS)
@@ -297,8 +310,19 @@ class CapturedSteps:
     def _verify_args(self, n: int) -> tuple[Tensor, ...]:
         args = self._args.get(("verify", n))
         if args is None:
-            args = self._args["verify", n] = self.buf.verify_inputs(n, self.bundle) + self._cache_tensors()
+            B, buf = self.bundle, self.buf
+            args = self._args["verify", n] = buf.verify_inputs(n, B) + (buf.emitted[:n * B], buf.num_emitted[:n]) \
+                + self._cache_tensors()
         return args
+
+    def _verify_views(self, n: int) -> tuple[Tensor, ...]:
+        """(positions, token_ids, draft limits) of graph size n: what `verify` returns besides the
+        graph's outputs, views made once (a view made per step is a host op)."""
+        views = self._args.get(("views", n))
+        if views is None:
+            T, buf = n * self.bundle, self.buf
+            views = self._args["views", n] = (buf.positions[:T], buf.token_ids[:T], buf.draft_limit[:n])
+        return views
 
     def _propose_args(self, n: int, hidden: Float[Tensor, "num_tokens hidden"]) -> tuple[Tensor, ...]:
         rest = self._args.get(("propose", n))
@@ -429,10 +453,9 @@ class CapturedSteps:
                 hidden, logits, greedy = verify(*self._verify_args(n))
             else:
                 self._last = LastVerify(n, None, max_seq_len)
-                hidden, logits, greedy = self.bodies.verify(max_seq_len, *buf.verify_inputs(n, B), self.cache)
+                hidden, logits, greedy = self._verify_fn(max_seq_len)(*self._verify_args(n))
             out = self.outputs[n] = {"hidden": hidden, "logits": logits, "greedy": greedy}
-        return out["hidden"], out["logits"], out["greedy"], buf.positions[:n * B], buf.token_ids[:n * B], \
-            buf.draft_limit[:n]
+        return (out["hidden"], out["logits"], out["greedy"]) + self._verify_views(n)
 
     def _check_fill(self, rows: list[UniformRow], n: int) -> None:
         tok, pos, meta = build_uniform(rows, n, self.cfg.block_size, self.cfg.max_blocks, self.device)
@@ -443,30 +466,35 @@ class CapturedSteps:
                                      f"{built.tolist()}")
 
     @checked
-    def propose(self, emitted: Int[Tensor, "num_reqs bundle"], num_emitted: Int[Tensor, "num_reqs"],
-                draft_masks: DraftMasks | None = None) -> Int[Tensor, "num_reqs num_spec"]:
+    def propose(self, emitted: Int[Tensor, "num_reqs bundle"] | None = None,
+                num_emitted: Int[Tensor, "num_reqs"] | None = None,
+                draft_masks: DraftMasks | None = None) -> Int[Tensor, "num_reqs_padded num_spec"]:
         """Replay propose[n] for the rows filled by the last `verify`, which emitted
-        emitted[i, :num_emitted[i]] (padded rows: one token 0 unless given: the greedy outcome's
-        rows of all n, whose padded rows are as inert, emit one token). With `draft_masks` (constrained
-        rows: each pass's mask is read back from the host) the body is called on the buffers instead."""
+        emitted[i, :num_emitted[i]] (padded rows: one token 0), or without them its greedy outcome
+        (every row's, padded ones included, whose inert rows emit one token), which the verify
+        graph left in the buffers. The drafts of all n rows (the caller keeps the real ones). With
+        `draft_masks` (constrained rows: each pass's mask is read back from the host) the body is
+        called on the buffers instead."""
         last = self._last
-        n, (R, B), buf = last.num_reqs_padded, emitted.shape, self.buf
-        buf.emitted[:R * B].view(R, B).copy_(emitted)
-        buf.num_emitted[:R].copy_(num_emitted)
-        if R < n:
-            buf.emitted[R * B:n * B].zero_()
-            buf.num_emitted[R:n].fill_(1)
+        n, B, buf = last.num_reqs_padded, self.bundle, self.buf
+        if emitted is not None:
+            R = emitted.shape[0]
+            buf.emitted[:R * B].view(R, B).copy_(emitted)
+            buf.num_emitted[:R].copy_(num_emitted)
+            if R < n:
+                buf.emitted[R * B:n * B].zero_()
+                buf.num_emitted[R:n].fill_(1)
         if draft_masks is not None:
             return self.bodies.propose(last.max_seq_len, self.outputs[n]["hidden"], buf.emitted[:n * B],
-                                       buf.num_emitted[:n], *buf.inputs(n, B), self.cache, draft_masks)[:R]
+                                       buf.num_emitted[:n], *buf.inputs(n, B), self.cache, draft_masks)
         if self.cuda:
             self.propose_graphs[n].replay()
-            return self.outputs[n]["drafts"][:R]
+            return self.outputs[n]["drafts"]
         hidden = self.outputs[n]["hidden"]
         if last.traced_context is not None:
-            return self.propose_graphs[n, last.traced_context](*self._propose_args(n, hidden))[:R]
+            return self.propose_graphs[n, last.traced_context](*self._propose_args(n, hidden))
         return self.bodies.propose(last.max_seq_len, hidden, buf.emitted[:n * B], buf.num_emitted[:n],
-                                   *buf.inputs(n, B), self.cache)[:R]
+                                   *buf.inputs(n, B), self.cache)
 
     @checked
     def prefill(self, token_ids: Int[Tensor, "num_tokens"], positions: Int[Tensor, "num_tokens"],

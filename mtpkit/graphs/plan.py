@@ -24,7 +24,8 @@ def _bundle(num_spec: int) -> int:
 
 def _is_int(value: object) -> bool:
     # bool is an int subclass, but True as a size or a count is always a mistake.
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    # (a plain int first: an abstract class's isinstance is slow, and dispatch runs every step)
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
 @dataclasses.dataclass(frozen=True)
