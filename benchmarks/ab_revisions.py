@@ -38,6 +38,7 @@ def worker(args) -> None:
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_cpu import heldout_prompts
+    from graph_clock import GraphClock, graphs_of, replace_graphs
     torch.set_num_threads(1)
     kw = dict(compile=args.compile, compile_after=0) if args.compile != "none" else {}
     llm = LLM(args.model, num_spec=args.num_spec, dtype="float32", max_num_seqs=1, num_threads=1,
@@ -49,29 +50,15 @@ def worker(args) -> None:
         llm.generate(prompts, sp)
     # The time inside the graphs' replays, so that the host's share (the rest) is compared on its
     # own: a host change of tens of microseconds a step is lost in the graphs' run-to-run spread.
-    inside = [0.0]
-
-    def timed(fn):
-        def replay(*a):
-            t = time.perf_counter()
-            try:
-                return fn(*a)
-            finally:
-                inside[0] += time.perf_counter() - t
-        return replay
-    g = llm.runner.graphs
-    if g is not None:   # every graph the rounds replay was made in the warm-up
-        for name in ("verify_graphs", "propose_graphs", "prefill_graphs", "prefill_proposal_graphs", "control_graphs"):
-            graphs = getattr(g, name, {})
-            for key, fn in graphs.items():
-                if fn is not None:
-                    graphs[key] = timed(fn)
+    clock = GraphClock()
+    if llm.runner.graphs is not None:   # every graph the rounds replay was made in the warm-up
+        replace_graphs(llm.runner.graphs, graphs_of(llm.runner.graphs), lambda key, fn: clock.timed(fn))
     print(json.dumps({"ready": mtpkit.__file__}), flush=True)
     for line in sys.stdin:
-        inside[0] = 0.0
+        clock.seconds = 0.0
         t = time.perf_counter()
         tokens = [llm.generate([q], sp)[0].token_ids for q in prompts]
-        print(json.dumps({"seconds": time.perf_counter() - t, "graphs": inside[0], "tokens": tokens}), flush=True)
+        print(json.dumps({"seconds": time.perf_counter() - t, "graphs": clock.seconds, "tokens": tokens}), flush=True)
 
 
 def main() -> None:

@@ -31,10 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_cpu import heldout_prompts  # noqa: E402
+from graph_clock import GraphClock, graphs_of, replace_graphs  # noqa: E402
 
 from mtpkit import LLM, SamplingParams  # noqa: E402
-
-GRAPH_DICTS = ("verify_graphs", "propose_graphs", "prefill_graphs", "prefill_proposal_graphs", "control_graphs")
 
 
 def main() -> None:
@@ -56,35 +55,22 @@ def main() -> None:
     for _ in range(2):   # every graph these generations replay, traced (compiled)
         llm.generate(prompts, sp)
 
-    real = {name: dict(getattr(g, name)) for name in GRAPH_DICTS}
-    inside = [0.0]
+    real = graphs_of(g)
+    clock = GraphClock()
     sweep = torch.zeros(int(args.sweep_mb * 2**20 / 4))
     recorded: dict = {}
 
-    def graphs(key, fn):
-        def replay(*a):
-            t = time.perf_counter()
-            try:
-                return fn(*a)
-            finally:
-                inside[0] += time.perf_counter() - t
-        return replay
-
     def stand_in(key, fn, swept: bool):
         def replay(*a):
-            t = time.perf_counter()
-            try:
-                if key not in recorded:
-                    recorded[key] = fn(*a)
-                out = recorded[key]
-                if swept:
-                    sweep.add_(1.0)
-                return tuple(x.clone() for x in out) if isinstance(out, tuple) else out.clone()
-            finally:
-                inside[0] += time.perf_counter() - t
-        return replay
+            if key not in recorded:
+                recorded[key] = fn(*a)
+            out = recorded[key]
+            if swept:
+                sweep.add_(1.0)
+            return tuple(x.clone() for x in out) if isinstance(out, tuple) else out.clone()
+        return clock.timed(replay)
 
-    modes = {"graphs": lambda k, f: graphs(k, f), "warm": lambda k, f: stand_in(k, f, False),
+    modes = {"graphs": lambda k, f: clock.timed(f), "warm": lambda k, f: stand_in(k, f, False),
              "warm + sweep": lambda k, f: stand_in(k, f, True)}
     kinds = []
     schedule = llm.engine.scheduler.schedule
@@ -100,19 +86,18 @@ def main() -> None:
         host = []
         for q in prompts:
             kinds.clear()
-            t, before = time.perf_counter(), inside[0]
+            t, before = time.perf_counter(), clock.seconds
             for _ in llm.stream([q], sp):
                 now = time.perf_counter()
                 if kinds and kinds[-1] == "verify":
-                    host.append((now - t - (inside[0] - before)) * 1e6)
-                t, before = now, inside[0]
+                    host.append((now - t - (clock.seconds - before)) * 1e6)
+                t, before = now, clock.seconds
         return host
 
     results = {m: [] for m in modes}
     for r in range(args.rounds + 1):   # round 0: the stand-ins' own warm-up (their outputs recorded)
         for mode, wrap in modes.items():
-            for name in GRAPH_DICTS:
-                getattr(g, name).update({k: wrap((name, k), f) for k, f in real[name].items() if f is not None})
+            replace_graphs(g, real, wrap)
             host = run()
             if r:
                 results[mode].append(statistics.median(host))
