@@ -8,7 +8,7 @@ from mtpkit import LLM, SamplingParams
 from mtpkit.text.detokenize import IncrementalDetokenizer
 from mtpkit.engine.request import Status
 from mtpkit.errors import InputError
-from mtpkit.text.stop_strings import StopStringMatcher, partial_stop_len
+from mtpkit.text.stop_strings import Appended, StopStringMatcher, partial_stop_len
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, x):"]
 MAX = 40
@@ -184,3 +184,46 @@ def test_incremental_matcher_equals_whole_decoding(engines):
             got = None if j is None else pos + j
             pos += n
         assert got == want, (text, stops)
+
+
+def test_appended_slices_as_the_concatenation():
+    a, b = list(range(10)), [100, 101, 102]
+    joined = Appended(a, b)
+    assert len(joined) == 13
+    for i in range(14):
+        for j in range(i, 14):
+            assert joined[i:j] == (a + b)[i:j], (i, j)
+    assert joined[-4:] == (a + b)[-4:]
+    tok = PieceTokenizer()   # the matcher reads it as it reads the list
+    m1, m2 = StopStringMatcher(tok, ["<|end|>"]), StopStringMatcher(tok, ["<|end|>"])
+    steps = [[0, 1], [5], [6, 7], [4]]
+    out = []
+    for new in steps:
+        assert m1.find(Appended(out, new), len(new)) == m2.find(out + new, len(new))
+        out += new
+
+
+class _SpyList(list):
+    """A request's output list that records every concatenation of it (its length)."""
+    added: list = []
+
+    def __add__(self, other):
+        _SpyList.added.append(len(self))
+        return list.__add__(self, other)
+
+
+def test_a_step_with_stop_strings_does_not_copy_the_whole_output(monkeypatch):
+    """The stop-string check reads the output's tail (Appended), not output + new tokens, which
+    made every step's host work grow with the output."""
+    from mtpkit.engine.request import Request
+    post = Request.__post_init__
+
+    def spied(self):
+        post(self)
+        self.output_token_ids = _SpyList(self.output_token_ids)
+    monkeypatch.setattr(Request, "__post_init__", spied)
+    _SpyList.added = []
+    llm = LLM("tiny-qwen3-next", num_spec=2, max_model_len=128)
+    out = llm.generate(["def f(x):"], SamplingParams(max_tokens=40, ignore_eos=True, stop=["<|never|>"]))[0]
+    assert len(out.token_ids) == 40 and out.finish_reason == "length"
+    assert not _SpyList.added, _SpyList.added

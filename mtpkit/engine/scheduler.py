@@ -38,6 +38,7 @@ from mtpkit.engine.kv_pools import KVPools
 from mtpkit.engine.prefix_cache import PrefixCache, extend_keys
 from mtpkit.engine.request import Request, Status
 from mtpkit.step.cache import CacheCopies, StateSave
+from mtpkit.text.stop_strings import Appended
 
 
 class StepKind(enum.Enum):
@@ -449,7 +450,7 @@ class Scheduler:
         # the one that completes it are dropped.
         stop_at = None
         if r.stop_matcher is not None and tokens:
-            stop_at = r.stop_matcher.find(r.output_token_ids + tokens, len(tokens))
+            stop_at = r.stop_matcher.find(Appended(r.output_token_ids, tokens), len(tokens))
         if tokens:
             r.num_steps += 1
         for i, t in enumerate(tokens):

@@ -37,6 +37,30 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> str:
     return text if i is None else text[:i]
 
 
+class Appended:
+    """`ids + more` for len() and slices (no step), without copying `ids`: a request's whole output
+    and a step's new tokens, of which the matcher's window reads only a short tail."""
+
+    __slots__ = ("ids", "more")
+
+    def __init__(self, ids: list[int], more: list[int]):
+        self.ids, self.more = ids, more
+
+    def __len__(self) -> int:
+        return len(self.ids) + len(self.more)
+
+    def __getitem__(self, s: slice) -> list[int]:
+        start, stop, step = s.indices(len(self))
+        if step != 1:
+            raise ValueError("Appended takes slices without a step")
+        n = len(self.ids)
+        if stop <= n:
+            return self.ids[start:stop]
+        if start >= n:
+            return self.more[start - n:stop - n]
+        return self.ids[start:] + self.more[:stop - n]
+
+
 class StopStringMatcher:
     """Finds the token that completes a stop string in a request's output, token by token.
 
@@ -54,10 +78,11 @@ class StopStringMatcher:
     def text(self) -> str:
         return self.window.text
 
-    def find(self, output_ids: list[int], num_new: int) -> int | None:
+    def find(self, output_ids: "list[int] | Appended", num_new: int) -> int | None:
         """Index, among the last `num_new` of `output_ids` (the earlier ones were given
         before), of the token whose text completes the first stop string; None if none
-        does."""
+        does. (A step's caller passes Appended(output, new tokens): only a tail is read, so a
+        step's work does not grow with the output.)"""
         base = len(output_ids) - num_new
         if self.num_seen > base:
             # It saw tokens that were not kept (a step interrupted between matching and
