@@ -90,6 +90,8 @@ class CacheTensors:
     # snapshots[group][layer][name]: [snapshot_slots, *shape], as `state` (empty: no store).
     # Not among `tensors()`: no captured step reads or writes them.
     snapshots: dict[str, list[dict[str, Tensor]]] = dataclasses.field(default_factory=dict)
+    # save_verify_snapshots' views of the state and snapshot tensors, made when first used
+    _views: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def num_blocks(self, group: str) -> int:
         return self.kv[group][0][0].shape[0]
@@ -156,24 +158,41 @@ class CacheTensors:
         column t of the first slot and is moved to where a prefill leaves it (the last W-1
         columns), the columns before it zero (nothing reads them)."""
         self._check_snapshots(slots, ids)
-        # One request at a time, with its ints on the host: views and a copy per tensor (a save
-        # happens once per block of a request's tokens; the batched indexed form cost ~40
-        # small ops per call whatever the count, this ~5 per tensor and save).
+        # One request at a time, with its ints on the host: a copy per tensor between views made
+        # once per (snapshot, shift) and (slot, shift) (a save happens once per block of a
+        # request's tokens; making its ~20 views anew each time, after a graph with the caches
+        # cold, was most of its cost; the batched indexed form cost ~40 small ops whatever the count).
         for sl, t_pos, sid in zip(slots, positions, ids):
-            num_spec = len(sl) - 1
-            shift = num_spec - t_pos    # snapshot column j = slot column j - shift
+            shift = len(sl) - 1 - t_pos    # snapshot column j = slot column j - shift
+            for (dst, pad), src in zip(self._snapshot_views(sid, shift), self._slot_views(sl[t_pos], sl[0], shift)):
+                dst.copy_(src)
+                if pad is not None:
+                    pad.zero_()
+
+    def _snapshot_views(self, sid: int, shift: int) -> list:
+        """Per state tensor, in `state`'s order: (where in snapshot `sid` a save writes, the conv
+        columns before the window it zeroes or None)."""
+        key = ("snapshot", sid, shift)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = []
             for g, layers in self.state.items():
                 for layer, snap in zip(layers, self.snapshots[g]):
-                    for n, t in layer.items():
-                        if n != "conv":
-                            snap[n][sid].copy_(t[sl[t_pos]])
-                            continue
-                        # A slot's conv columns are W-1+num_spec long and its bundle num_spec+1:
-                        # the window after position t_pos starts at column t_pos of the first slot.
-                        dst, src, L = snap[n][sid], t[sl[0]], t.shape[-1]
-                        dst[..., shift:].copy_(src[..., :L - shift])
-                        if shift:
-                            dst[..., :shift].zero_()
+                    for n in layer:
+                        dst = snap[n][sid]
+                        views.append((dst, None) if n != "conv" else (dst[..., shift:], dst[..., :shift] if shift else None))
+        return views
+
+    def _slot_views(self, state_slot: int, conv_slot: int, shift: int) -> list:
+        """Per state tensor, in `state`'s order: what a save reads. The recurrent state after bundle
+        position t is slot t's; a slot's conv columns are W-1+num_spec long and its bundle
+        num_spec+1: the window after position t starts at column t of the first slot."""
+        key = ("slot", state_slot, conv_slot, shift)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = [t[state_slot] if n != "conv" else t[conv_slot][..., :t.shape[-1] - shift]
+                                        for layers in self.state.values() for layer in layers for n, t in layer.items()]
+        return views
 
     def apply(self, copies: CacheCopies) -> None:
         """Do `copies` (see CacheCopies) on the device."""
