@@ -175,3 +175,36 @@ def test_plain_greedy_step_runs_no_host_tensor_op_but_its_read_backs(name, k):
     steps.clear()
     llm.generate(prompts, [sp, SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=1)])
     assert all(len(names) > len(read_backs) for kind, names in steps if kind == "verify")
+
+
+CONTROLS = {
+    "penalties": dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3),
+    "min_tokens and logit_bias": dict(min_tokens=6, logit_bias={11: 3.0, 13: -2.0}),
+    "single-token bad words": dict(bad_words=[[11], [13], [220]]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("control", sorted(CONTROLS))
+def test_greedy_controlled_steps_take_the_controls_graphs_outcome(monkeypatch, name, control):
+    """An all-greedy step whose logits only the captured controls processed reads the controls
+    graph's greedy outcome (sampling/rejection.controlled_greedy_verify) instead of sampling the
+    processed logits eagerly: the same tokens as enforce_eager's eager rejection, no
+    rejection_sample in its verify steps. A multi-token bad word (banned on the host after the
+    graph) takes the eager path, as does a row that samples."""
+    fast, eager = _llm(name, 3, eager=False), _llm(name, 3, eager=True)
+    prompts = [fast.tokenizer.encode(t).ids for t in ("def fibonacci(n):", "The capital of", "import torch\n")]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True, **CONTROLS[control])
+    with monkeypatch.context() as m:
+        calls = _counted(m, fast)
+        got = [o.token_ids for o in fast.generate(prompts, sp)]
+    assert calls["prefill"] > 0 and calls["rejection"] <= calls["prefill"]   # the verify steps sampled nothing eagerly
+    want = [o.token_ids for o in eager.generate(prompts, sp)]
+    assert got == want
+    words = CONTROLS[control].get("bad_words", []) + [[28, 11]]   # a two-token bad word: banned on the host
+    multi = SamplingParams(max_tokens=12, ignore_eos=True, **{**CONTROLS[control], "bad_words": words})
+    with monkeypatch.context() as m:
+        calls = _counted(m, fast)
+        got = [o.token_ids for o in fast.generate(prompts, multi)]
+    assert calls["rejection"] > calls["prefill"]
+    assert got == [o.token_ids for o in eager.generate(prompts, multi)]

@@ -294,10 +294,28 @@ class ModelRunner:
                 pending.settle()
             raise
         controlled = not plain and (processed is not logits or masks is not None)
+        # An all-greedy step whose logits only the captured controls processed (no grammar, no
+        # multi-token bad word banned on the host after them): the controls graph's own outcome.
+        controls_outcome = None
+        if (controlled and masks is None and self.greedy_in_step and sampling.all_greedy and self.graphs is not None
+                and not any(r.controls is not None and r.controls.multi_words for r in reqs)):
+            controls_outcome = self.graphs.controls_outcome
         # With graphs (one rank), the proposal reads the verify graph's greedy outcome of every row
         # (padded ones too) where the graph left it; otherwise the tokens are handed to it.
         in_buffers = False
-        if plain or (sampling.all_greedy and not controlled and self.greedy_in_step):
+        if controls_outcome is not None:
+            # (sampling/rejection.controlled_greedy_verify: tokens, num_emitted, finite, live)
+            if self.tp.size > 1:   # rank 0 decides
+                out = self.tp.broadcast(controls_outcome[:R].contiguous())
+            else:
+                out = controls_outcome if R == n else controls_outcome[:R]
+            packed = out.tolist()
+            tok_list = [row[:B] for row in packed]
+            emitted_counts = [row[B] for row in packed]
+            finite_list = [row[B + 1:2 * B + 1] for row in packed]
+            dead = self._dead_ends([row[2 * B + 1:] for row in packed], emitted_counts)
+            tokens, num_emitted = out[:, :B], out[:, B]
+        elif plain or (sampling.all_greedy and not controlled and self.greedy_in_step):
             # The verify body's own outcome (sampling/rejection.greedy_verify, the rule
             # rejection_sample applies to greedy rows): tokens, num_emitted and the finite check
             # per row, read back at once.

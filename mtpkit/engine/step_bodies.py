@@ -7,8 +7,9 @@
   drafter's proposal (rejection sampling of other steps runs between the two, eager: it reads
   the requests' sampling settings on the host);
 - `controls`: the generation controls' graph-safe part (sampling/controls.apply_controls) on
-  the verify body's logits, the drafts it verified and the controls' tables; replayed after
-  `verify` only in a step where some row uses a control;
+  the verify body's logits, the drafts it verified and the controls' tables, and the greedy
+  outcome of what they leave (sampling/rejection.controlled_greedy_verify, which an all-greedy
+  step takes as it is); replayed after `verify` only in a step where some row uses a control;
 - `prefill`: the target's forward over prefill chunks padded to one length (a captured prefill on
   CPU: step.metadata.PrefillRows; other prefills call the model on their own metadata, eager);
 - `prefill_proposal`: the proposal after a prefill, for the prompts that finished; `observe`:
@@ -24,7 +25,7 @@ known (a graph replays for any count up to its size): its metadata says `num_req
 import torch
 
 from mtpkit.sampling.controls import apply_controls
-from mtpkit.sampling.rejection import greedy_verify
+from mtpkit.sampling.rejection import controlled_greedy_verify, greedy_verify
 from mtpkit.shapes import Bool, Float, Int, Tensor, checked
 from mtpkit.step.cache import CacheTensors
 from mtpkit.step.draft import Drafter, DraftMasks, draft_inputs, verify_outcome
@@ -107,12 +108,16 @@ class StepBodies:
         ints: Int[Tensor, "3 num_reqs_padded"], floats: Float[Tensor, "3 num_reqs_padded"],
         counts: Float[Tensor, "control_slots vocab"], prompt_seen: Bool[Tensor, "control_slots vocab"],
         static: Float[Tensor, "control_slots vocab"], stop: Bool[Tensor, "control_slots vocab"],
-    ) -> Float[Tensor, "num_reqs_padded bundle vocab"]:
+        draft_limit: Int[Tensor, "num_reqs_padded"],
+    ) -> tuple[Float[Tensor, "num_reqs_padded bundle vocab"], Int[Tensor, "num_reqs_padded 3*bundle+1"]]:
         """After a verify body: its logits with the controls applied at every bundle position
-        (the drafts d_1..d_k are the step's tokens after each row's first)."""
+        (the drafts d_1..d_k are the step's tokens after each row's first), and the step's outcome
+        if every row is greedy (sampling/rejection.controlled_greedy_verify on them), which such a
+        step reads back instead of running the rejection and the checks eagerly."""
         n = ints.shape[1]
-        return apply_controls(logits.view(n, self.bundle, -1), token_ids.view(n, self.bundle)[:, 1:], ints, floats,
-                              counts, prompt_seen, static, stop)
+        logits, drafts = logits.view(n, self.bundle, -1), token_ids.view(n, self.bundle)[:, 1:]
+        processed = apply_controls(logits, drafts, ints, floats, counts, prompt_seen, static, stop)
+        return processed, controlled_greedy_verify(logits, processed, drafts, draft_limit)
 
     @checked
     def propose(

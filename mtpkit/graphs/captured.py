@@ -13,8 +13,10 @@ Rejection sampling of any other step runs between them, eager (it reads the requ
 In a step where some row uses a generation control, a third graph, controls[n], runs the
 controls body (sampling/controls.apply_controls) on verify[n]'s logits and tokens, the
 controls' per-row inputs (static buffers: slot, flag, penalties, min_tokens' positions;
-padded rows neutral) and the controls' tables (read in place); captured / traced when a step
-first needs it, like the others. A step without controls never replays it.
+padded rows neutral), the controls' tables (read in place) and the draft limits, and returns
+the processed logits and their greedy outcome (what an all-greedy controlled step reads back);
+captured / traced when a step first needs it, like the others. A step without controls never
+replays it.
 A proposal with grammar masks (structured outputs' constrained rows: each pass's mask needs the
 previous pass's drafts on the host) calls the propose body directly on the same buffers.
 On CPU, a prefill step of one chunk (state snapshots included) replays the prefill body, the
@@ -91,7 +93,8 @@ class Bodies(Protocol):
                          last_idx, block_tables, cache: CacheTensors, meta: PrefillMetadata | None = None,
                          draft_masks: DraftMasks | None = None) -> Tensor: ...
 
-    def controls(self, logits, token_ids, ints, floats, counts, prompt_seen, static, stop) -> Tensor: ...
+    def controls(self, logits, token_ids, ints, floats, counts, prompt_seen, static, stop,
+                 draft_limit) -> tuple[Tensor, Tensor]: ...
 
 
 # Tensor arguments of each body before the cache's (StaticBuffers.verify_inputs for verify).
@@ -264,6 +267,7 @@ class CapturedSteps:
         self._args: dict = {}             # ("verify" | "propose", n) -> the bodies' buffer and cache arguments
         self._cache_flat: tuple[Tensor, ...] | None = None
         self.compiler = None              # CPU: graphs.compiled.Compiler (LLM(compile=...)), else traces replay
+        self.controls_outcome: Tensor | None = None   # the last `controls` replay's greedy outcome (every row)
 
     # ---- what is traced or captured -------------------------------------------------------
     # A body with its context length fixed, over flat tensor arguments. The cache tensors are
@@ -440,6 +444,7 @@ class CapturedSteps:
                 self._trace_failed(e)
                 traced = False
         buf = self.buf
+        self.controls_outcome = None
         buf.fill(rows, n, B, self.cfg.block_size, draft_limits)
         if is_debug():   # the builder's metadata (shown in the trace) must be what the buffers hold
             self._check_fill(rows, n)
@@ -600,7 +605,9 @@ class CapturedSteps:
     def controls(self, inputs: ControlInputs, tables: tuple[Tensor, ...]) -> Float[Tensor, "num_reqs bundle vocab"]:
         """The controls body on the last `verify`'s logits and tokens: `inputs` (the real rows'; padded
         rows get neutral ones) copied into static buffers, `tables` (ControlTables.tensors(), never
-        reallocated) read in place; replays controls[n] (CUDA graph / CPU trace) or calls the body."""
+        reallocated) read in place; replays controls[n] (CUDA graph / CPU trace) or calls the body.
+        Returns the real rows' processed logits; `controls_outcome` is then the body's greedy outcome
+        of every row (Bodies.controls), until the next `verify`."""
         n, B = self._last.num_reqs_padded, self.bundle
         vals = inputs.tensors()
         R = vals[0].shape[1]
@@ -613,7 +620,7 @@ class CapturedSteps:
             buf[:, :R].copy_(v)
             buf[:, R:n].copy_(neutral[:, R:n])
         args = (self.outputs[n]["logits"], self.buf.token_ids[:n * B]) + tuple(b[:, :n] for b in self._control_buf) \
-            + tuple(tables)
+            + tuple(tables) + (self.buf.draft_limit[:n],)
         if self.cuda:
             if n not in self.control_graphs:   # pure: warming up on this step's rows writes nothing
                 stream = torch.cuda.Stream()
@@ -627,7 +634,8 @@ class CapturedSteps:
                     self.outputs[n]["controls"] = self.bodies.controls(*args)
                 self.control_graphs[n] = g
             self.control_graphs[n].replay()
-            return self.outputs[n]["controls"][:R]
+            processed, self.controls_outcome = self.outputs[n]["controls"]
+            return processed[:R]
         fn = self.control_graphs.get(n)
         if fn is None and self.trace and not is_debug():
             uses = self._control_uses[n] = self._control_uses.get(n, 0) + 1
@@ -637,8 +645,9 @@ class CapturedSteps:
                 except Exception as e:  # noqa: BLE001 - the direct call below needs no tracer
                     self._trace_failed(e)
         if fn is None or not self.trace or is_debug():
-            return self.bodies.controls(*args)[:R]
-        return fn(*args)[:R]
+            fn = self.bodies.controls
+        processed, self.controls_outcome = fn(*args)
+        return processed[:R]
 
     def describe(self) -> str:
         mode = ("CUDA graphs" if self.cuda else "TorchScript traces on CPU" if self.trace

@@ -82,3 +82,19 @@ def greedy_verify(logits: Float[Tensor, "num_reqs bundle vocab"], drafts: Int[Te
     target = logits.argmax(-1)
     finite = torch.isfinite(logits.amax(-1)).long()
     return torch.cat([target, accepted_prefix(target, drafts, draft_limit)[:, None], finite], dim=1)
+
+
+@checked
+def controlled_greedy_verify(
+    logits: Float[Tensor, "num_reqs bundle vocab"], processed: Float[Tensor, "num_reqs bundle vocab"],
+    drafts: Int[Tensor, "num_reqs bundle-1"], draft_limit: Int[Tensor, "num_reqs"],
+) -> Int[Tensor, "num_reqs 3*bundle+1"]:
+    """greedy_verify for an all-greedy step whose logits the generation controls processed:
+    [:, :bundle] the tokens (`rejection_sample`'s on `processed` for greedy rows), [:, bundle]
+    num_emitted, then per bundle position 1 where the raw `logits` are finite, then 1 where the
+    processed ones leave some token (a dead end where 0). Graph-safe: the controls body computes
+    it beside the processed logits, so such a step reads back one int tensor."""
+    target = processed.argmax(-1)
+    finite = torch.isfinite(logits.amax(-1)).long()
+    live = torch.isfinite(processed.amax(-1)).long()
+    return torch.cat([target, accepted_prefix(target, drafts, draft_limit)[:, None], finite, live], dim=1)
