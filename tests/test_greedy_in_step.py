@@ -197,10 +197,13 @@ def test_greedy_controlled_steps_take_the_controls_graphs_outcome(monkeypatch, n
     sp = SamplingParams(max_tokens=12, ignore_eos=True, **CONTROLS[control])
     with monkeypatch.context() as m:
         calls = _counted(m, fast)
-        got = [o.token_ids for o in fast.generate(prompts, sp)]
+        outs = fast.generate(prompts, sp)
     assert calls["prefill"] > 0 and calls["rejection"] <= calls["prefill"]   # the verify steps sampled nothing eagerly
-    want = [o.token_ids for o in eager.generate(prompts, sp)]
-    assert got == want
+    want = eager.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    # the drafts too (the proposal read the controlled outcome the controls graph left for it):
+    # where each token came from, accepted draft or the target's own
+    assert [o.token_draft_positions for o in outs] == [o.token_draft_positions for o in want]
     words = CONTROLS[control].get("bad_words", []) + [[28, 11]]   # a two-token bad word: banned on the host
     multi = SamplingParams(max_tokens=12, ignore_eos=True, **{**CONTROLS[control], "bad_words": words})
     with monkeypatch.context() as m:
