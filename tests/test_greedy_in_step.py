@@ -190,8 +190,8 @@ def test_greedy_controlled_steps_take_the_controls_graphs_outcome(monkeypatch, n
     """An all-greedy step whose logits only the captured controls processed reads the controls
     graph's greedy outcome (sampling/rejection.controlled_greedy_verify) instead of sampling the
     processed logits eagerly: the same tokens as enforce_eager's eager rejection, no
-    rejection_sample in its verify steps. A multi-token bad word (banned on the host after the
-    graph) takes the eager path, as does a row that samples."""
+    rejection_sample in its verify steps, the same drafts, and the same tokens as without drafts. A
+    multi-token bad word (banned on the host after the graph) takes the eager path."""
     fast, eager = _llm(name, 3, eager=False), _llm(name, 3, eager=True)
     prompts = [fast.tokenizer.encode(t).ids for t in ("def fibonacci(n):", "The capital of", "import torch\n")]
     sp = SamplingParams(max_tokens=12, ignore_eos=True, **CONTROLS[control])
@@ -204,6 +204,8 @@ def test_greedy_controlled_steps_take_the_controls_graphs_outcome(monkeypatch, n
     # the drafts too (the proposal read the controlled outcome the controls graph left for it):
     # where each token came from, accepted draft or the target's own
     assert [o.token_draft_positions for o in outs] == [o.token_draft_positions for o in want]
+    # and the drafts change nothing: the same tokens without them (float64)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in _llm(name, 0, eager=False).generate(prompts, sp)]
     words = CONTROLS[control].get("bad_words", []) + [[28, 11]]   # a two-token bad word: banned on the host
     multi = SamplingParams(max_tokens=12, ignore_eos=True, **{**CONTROLS[control], "bad_words": words})
     with monkeypatch.context() as m:
