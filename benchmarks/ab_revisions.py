@@ -14,6 +14,7 @@ host work) per token: a host change is measured without the graphs' run-to-run s
     python benchmarks/ab_revisions.py --base HEAD                       # uncommitted changes vs HEAD
     python benchmarks/ab_revisions.py --base HEAD~1 --model tiny-gemma4 --num-spec 3 --draft-dtype bfloat16
     python benchmarks/ab_revisions.py --base 1e34a40 --compile none --num-spec 3   # traced graphs
+    python benchmarks/ab_revisions.py --base HEAD --compile none --num-spec 3 --temperature 0.8   # seeded sampling
 """
 
 import argparse
@@ -45,7 +46,8 @@ def worker(args) -> None:
               enable_prefix_caching=False, draft_dtype=args.draft_dtype, **kw)
     if llm.runner.graphs is not None:
         llm.runner.graphs.trace_after = 0
-    prompts, sp = heldout_prompts(8, 64), SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    sampled = dict(temperature=args.temperature, seed=1) if args.temperature else {}
+    prompts, sp = heldout_prompts(8, 64), SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, **sampled)
     for _ in range(2):   # compiles / traces every graph the rounds use
         llm.generate(prompts, sp)
     # The time inside the graphs' replays, so that the host's share (the rest) is compared on its
@@ -70,6 +72,7 @@ def main() -> None:
     p.add_argument("--draft-dtype", default=None)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="> 0: seeded sampling (seed 1), not greedy")
     p.add_argument("--fresh", action="store_true",
                    help="each side compiles into an empty package cache of its own (MTPKIT_CACHE): a cold compile's "
                         "max-autotune picks vary from compile to compile, so a side whose packages were cached would "

@@ -7,7 +7,9 @@ Qwen3-Next config at real widths:
   controls     each generation control (repetition / presence / frequency penalties, min_p,
                logit_bias, allowed_token_ids, bad words, min_tokens, all at once seeded) as a
                row of one batch beside a plain row: graphs == eager (the captured `controls[n]`
-               graph against the eager function); the bans change the output
+               graph against the eager function; seeded rows sample in the captured sample graph,
+               sampling/rejection.sampled_verify, against the eager rejection_sample); the bans
+               change the output
   structured   a JSON schema and a regex, greedy and seeded: graphs == eager, the output parses
                (validates) / matches (the drafters mask their own logits; the masked proposal)
   logprobs     logprobs=5, prompt_logprobs=2, greedy and seeded: same tokens, values within tol

@@ -354,7 +354,7 @@ def graph_count(llm: LLM) -> int:
     """The engine's graphs traced so far, and compiled (a compiled graph keeps its trace's key)."""
     g = llm.runner.graphs
     traced = sum(len(d) for d in (g.verify_graphs, g.propose_graphs, g.prefill_graphs, g.prefill_proposal_graphs,
-                                  g.control_graphs))
+                                  g.control_graphs, g.sample_graphs))
     return traced + (len(g.compiler.records) if g.compiler is not None else 0)
 
 

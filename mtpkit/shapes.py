@@ -48,6 +48,9 @@ DIMS: dict[str, str] = {
     "bundle": "tokens a request feeds the target in one verify step: num_spec + 1",
     "outcome": "a verify step's greedy outcome per row (sampling/rejection.greedy_verify): bundle tokens, "
                "num_emitted, bundle finite flags: 2 * bundle + 1",
+    "live_outcome": "a step's outcome with a live flag per bundle position (sampling/rejection.sampled_verify, "
+                    "controlled_greedy_verify): outcome's columns, then bundle flags, 1 where the processed logits "
+                    "leave some token: 3 * bundle + 1",
     "num_tokens": "query tokens in a step (prefill: ragged sum; verify: num_reqs_padded*bundle)",
     "num_logits": "positions whose logits are computed in a step",
     "seq_len": "tokens of one sequence (score, prompts)",

@@ -171,9 +171,9 @@ def test_plain_greedy_step_runs_no_host_tensor_op_but_its_read_backs(name, k):
     assert len(verify) >= 3
     read_backs = ["tolist"] * (2 if k else 1)   # the verify outcome, then the drafts
     assert all(names == read_backs for names in verify), verify
-    # a step with a row that samples runs the eager path (its sampling, rejection, finite check)
+    # a step with a row asking for logprobs makes its tokens' tensors on the host
     steps.clear()
-    llm.generate(prompts, [sp, SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=1)])
+    llm.generate(prompts, [sp, SamplingParams(max_tokens=16, ignore_eos=True, logprobs=1)])
     assert all(len(names) > len(read_backs) for kind, names in steps if kind == "verify")
 
 

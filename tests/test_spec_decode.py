@@ -227,10 +227,11 @@ def test_sampling_distribution_matches_target(ckdir, params, monkeypatch):
     prompt = [3, 1, 4, 1, 5]
     expected = _exact_second_token_p(path, prompt, params)
     n = 1200   # the planted bias below gives p < 1e-14 at this n (2.2e-15 and 8e-19 measured)
-    for k in (0, 1, 2):
-        counts, llm = _second_token_distribution(path, prompt, params, k, n)
+    # (the verify steps sample in the sample body, CapturedSteps.sample; enforce_eager: rejection_sample)
+    for k, kw in ((0, {}), (1, {}), (2, {}), (1, dict(enforce_eager=True))):
+        counts, llm = _second_token_distribution(path, prompt, params, k, n, **kw)
         p = _chi2_pvalue(counts, expected)
-        assert p > 1e-4, f"num_spec={k}: chi-square p-value {p:.2e}; counts {counts.tolist()}"
+        assert p > 1e-4, f"num_spec={k} {kw}: chi-square p-value {p:.2e}; counts {counts.tolist()}"
         if k:
             assert 0.1 < llm.stats.acceptance_rate_per_position[0] < 0.95  # rejections happen
     # The classic bug: at the first mismatch emit a fresh draw from p (not from p without the
@@ -247,8 +248,25 @@ def test_sampling_distribution_matches_target(ckdir, params, monkeypatch):
         tokens[rows[rejected], j[rejected]] = fresh[rejected]
         return tokens, n_emit
     monkeypatch.setattr(runner_mod, "rejection_sample", from_p_at_rejection)
-    counts, _ = _second_token_distribution(path, prompt, params, 1, n)
-    assert _chi2_pvalue(counts, expected) < 1e-6, "a biased recovery distribution went unnoticed"
+    counts, _ = _second_token_distribution(path, prompt, params, 1, n, enforce_eager=True)
+    assert _chi2_pvalue(counts, expected) < 1e-6, "a biased recovery distribution went unnoticed (eager)"
+    # the same bug in the rule a captured step samples by (engine/step_bodies.sample)
+    import mtpkit.engine.step_bodies as bodies_mod
+    real_in_step = bodies_mod.sampled_verify
+
+    def in_step_from_p_at_rejection(logits, processed, drafts, limit, st_, *rest):
+        out = real_in_step(logits, processed, drafts, limit, st_, *rest)
+        B = drafts.shape[1] + 1
+        n_emit = out[:, B]
+        rows, j = torch.arange(len(n_emit)), n_emit - 1
+        rejected = (j < limit) & ~st_.greedy   # (padded rows are greedy)
+        fresh = torch.multinomial(target_probs(processed, st_)[rows, j], 1, generator=gen)[:, 0]
+        out[rows[rejected], j[rejected]] = fresh[rejected]
+        return out
+    monkeypatch.setattr(bodies_mod, "sampled_verify", in_step_from_p_at_rejection)
+    counts, llm = _second_token_distribution(path, prompt, params, 1, n)
+    assert llm.runner.graphs is not None and llm.runner.graphs.sample_graphs == {}   # called, not traced
+    assert _chi2_pvalue(counts, expected) < 1e-6, "a biased recovery distribution went unnoticed (in the step)"
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(ckdir):

@@ -55,6 +55,9 @@ class ModelRunner:
         # (one small int tensor) instead of sampling its logits eagerly; False: always eager
         # (tests compare the two).
         self.greedy_in_step = True
+        # With graphs, a step with random rows (and no grammar or multi-token bad word) samples in
+        # the sample graph (CapturedSteps.sample); False: eagerly (tests compare the two).
+        self.sample_in_step = True
         self.graphs: CapturedSteps | None = None
         if plan is not None:
             self.graphs = CapturedSteps(self.bodies, cache, ecfg, plan, device)
@@ -266,6 +269,17 @@ class ModelRunner:
         # outcome is the step's, and no tensor op runs on the host besides reading it back (each
         # op after a graph costs ~10 us: the graph's weights have evicted the host's code and data).
         plain = pending is None and self.greedy_in_step and all(r.plain_greedy for r in reqs)
+        all_greedy = plain or all(r.params.temperature == 0 for r in reqs)
+        uses_controls = not plain and any(r.params.has_controls for r in reqs)
+        ask = [] if plain else [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        # The step's outcome from a graph (sampling/rejection: tokens, num_emitted, finite, live) where
+        # the logits it reads are the step's last (no grammar; no multi-token bad word, banned on the
+        # host after the controls): an all-greedy step's whose logits the controls processed, from the
+        # controls graph; a step with random rows, from the sample graph (CapturedSteps.sample).
+        from_graph = (not plain and pending is None and self.graphs is not None
+                      and not any(r.controls is not None and r.controls.multi_words for r in reqs)
+                      and ((all_greedy and uses_controls and self.greedy_in_step)
+                           or (not all_greedy and self.sample_in_step)))
         rows = [UniformRow([r.last_token_id] + r.drafts, r.num_computed, [t.ids for t in r.block_tables],
                            r.state_slots, r.prev_num_emitted) for r in reqs]
         meta = processed = masks = None
@@ -278,13 +292,14 @@ class ModelRunner:
                 limit = torch.tensor(limit_list, dtype=torch.int64, device=self.device)
                 step = verify_inputs(token_ids, positions, meta)
                 hidden, logits, greedy = self.bodies.verify(meta.max_seq_len, *step, limit, self.cache)
-            if not plain:
+            # The real rows' logits and drafts, for the controls, logprobs or the eager rejection
+            # (a step sampled in its graph without them makes none: each op is host time).
+            if not plain and (uses_controls or ask or not from_graph):
                 if R < n:
                     limit = limit[:R]
-                # (a batch that fills its graph size takes views without slicing rows: each op is host time)
+                # (a batch that fills its graph size takes views without slicing rows)
                 logits = logits.view(n, B, -1) if R == n else logits.view(n, B, -1)[:R]
                 drafts = token_ids.view(n, B)[:, 1:] if R == n else token_ids.view(n, B)[:R, 1:]   # [R, k]: d_1..d_k
-                sampling = self._sampling([r.params for r in reqs])
                 # Bundle index j samples the token at position num_computed + 1 + j.
                 # The generation controls at every bundle position (drafts before it count as generated).
                 processed = self._controls(logits, drafts, reqs, captured=self.graphs is not None)
@@ -293,29 +308,26 @@ class ModelRunner:
             if pending is not None:   # nothing else touches the matchers while the worker does
                 pending.settle()
             raise
-        controlled = not plain and (processed is not logits or masks is not None)
-        # An all-greedy step whose logits only the captured controls processed (no grammar, no
-        # multi-token bad word banned on the host after them): the controls graph's own outcome.
-        controls_outcome = None
-        if (controlled and masks is None and self.greedy_in_step and sampling.all_greedy and self.graphs is not None
-                and not any(r.controls is not None and r.controls.multi_words for r in reqs)):
-            controls_outcome = self.graphs.controls_outcome
-        # With graphs (one rank), the proposal reads the verify graph's greedy outcome of every row
-        # (padded ones too) where the graph left it; otherwise the tokens are handed to it.
-        in_buffers = False
-        if controls_outcome is not None:
-            # (sampling/rejection.controlled_greedy_verify: tokens, num_emitted, finite, live)
-            if self.tp.size > 1:   # rank 0 decides
-                out = self.tp.broadcast(controls_outcome[:R].contiguous())
+        controlled = uses_controls or masks is not None
+        in_buffers = False   # the proposal reads the step's outcome (every row) where a graph left it
+        if from_graph:
+            if all_greedy:
+                graph_out = self.graphs.controls_outcome
             else:
-                out = controls_outcome if R == n else controls_outcome[:R]
+                graph_out = self.graphs.sample(reqs, controlled)
+                in_buffers = self.tp.size == 1
+            if self.tp.size > 1:   # rank 0 decides
+                out = self.tp.broadcast(graph_out[:R].contiguous())
+            else:
+                out = graph_out if R == n else graph_out[:R]
             packed = out.tolist()
             tok_list = [row[:B] for row in packed]
             emitted_counts = [row[B] for row in packed]
             finite_list = [row[B + 1:2 * B + 1] for row in packed]
-            dead = self._dead_ends([row[2 * B + 1:] for row in packed], emitted_counts)
-            tokens, num_emitted = out[:, :B], out[:, B]
-        elif plain or (sampling.all_greedy and not controlled and self.greedy_in_step):
+            dead = self._dead_ends([row[2 * B + 1:] for row in packed], emitted_counts) if controlled else {}
+            if ask or not in_buffers:   # tensors for the logprobs or the proposal
+                tokens, num_emitted = out[:, :B], out[:, B]
+        elif plain or (all_greedy and not controlled and self.greedy_in_step):
             # The verify body's own outcome (sampling/rejection.greedy_verify, the rule
             # rejection_sample applies to greedy rows): tokens, num_emitted and the finite check
             # per row, read back at once.
@@ -336,6 +348,7 @@ class ModelRunner:
         else:
             if masks is not None:   # after the controls, in place, the constrained rows only
                 processed = masks.apply(processed, reqs, keep_raw=processed is logits)
+            sampling = self._sampling([r.params for r in reqs])
             tokens, num_emitted = rejection_sample(processed, drafts, limit, sampling, [r.seed for r in reqs],
                                                    [r.num_computed + 1 for r in reqs])
             # A row whose logits are not finite where they decide its tokens (NaN / inf weights or
@@ -352,7 +365,6 @@ class ModelRunner:
             dead = self._dead_ends(live.tolist(), emitted_counts) if controlled else {}
         # Logprobs before the drafter runs (its replay may reuse the logits' buffers): bundle
         # index j of row i is the target's distribution at the token of position num_computed + 1 + j.
-        ask = [] if plain else [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         step_lps = {}
         if ask:
             raw = logits if masks is None else masks.raw_logits(logits)

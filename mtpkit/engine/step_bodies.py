@@ -4,12 +4,14 @@
   bundle position, and the greedy outcome (sampling/rejection.greedy_verify), which an
   all-greedy step without controls takes as it is;
 - `propose`: what rejection sampling emitted -> `verify_outcome` -> DraftInputs -> the
-  drafter's proposal (rejection sampling of other steps runs between the two, eager: it reads
-  the requests' sampling settings on the host);
+  drafter's proposal;
 - `controls`: the generation controls' graph-safe part (sampling/controls.apply_controls) on
   the verify body's logits, the drafts it verified and the controls' tables, and the greedy
   outcome of what they leave (sampling/rejection.controlled_greedy_verify, which an all-greedy
   step takes as it is); replayed after `verify` only in a step where some row uses a control;
+- `sample`: a step with random rows (and no grammar): rejection sampling of the verify body's
+  logits, or of what the controls body left, by the rows' settings in static buffers
+  (sampling/rejection.sampled_verify: the eager rejection's tokens, from the same noise);
 - `prefill`: the target's forward over prefill chunks padded to one length (a captured prefill on
   CPU: step.metadata.PrefillRows; other prefills call the model on their own metadata, eager);
 - `prefill_proposal`: the proposal after a prefill, for the prompts that finished; `observe`:
@@ -25,7 +27,8 @@ known (a graph replays for any count up to its size): its metadata says `num_req
 import torch
 
 from mtpkit.sampling.controls import apply_controls
-from mtpkit.sampling.rejection import controlled_greedy_verify, greedy_verify
+from mtpkit.sampling.rejection import controlled_greedy_verify, greedy_verify, sampled_verify
+from mtpkit.sampling.sampler import Filters, SamplingTensors
 from mtpkit.shapes import Bool, Float, Int, Tensor, checked
 from mtpkit.step.cache import CacheTensors
 from mtpkit.step.draft import Drafter, DraftMasks, draft_inputs, verify_outcome
@@ -118,6 +121,26 @@ class StepBodies:
         logits, drafts = logits.view(n, self.bundle, -1), token_ids.view(n, self.bundle)[:, 1:]
         processed = apply_controls(logits, drafts, ints, floats, counts, prompt_seen, static, stop)
         return processed, controlled_greedy_verify(logits, processed, drafts, draft_limit)
+
+    @checked
+    def sample(
+        self, filters: Filters, logits: Float[Tensor, "num_tokens vocab"],
+        processed: Float[Tensor, "num_reqs_padded bundle vocab"] | None, token_ids: Int[Tensor, "num_tokens"],
+        positions: Int[Tensor, "num_tokens"], draft_limit: Int[Tensor, "num_reqs_padded"],
+        floats: Float[Tensor, "3 num_reqs_padded"], ints: Int[Tensor, "3 num_reqs_padded"],
+        steps: Int[Tensor, "vocab"],
+    ) -> Int[Tensor, "num_reqs_padded 3*bundle+1"]:
+        """After a verify body (and the controls body: `processed`; None where no row uses a
+        control): the step's outcome sampled by each row's settings (`floats`, `ints`:
+        sampler.sampling_rows' layout; `filters`: the parts of p the step runs, fixed per graph;
+        `steps`: sampler.noise_steps),
+        the drafts d_1..d_k being the step's tokens after each row's first and bundle index j
+        sampling the position after token j's (sampling/rejection.sampled_verify)."""
+        n, B = ints.shape[1], self.bundle
+        logits = logits.view(n, B, -1)
+        st = SamplingTensors.from_buffers(floats, ints, filters)
+        return sampled_verify(logits, logits if processed is None else processed, token_ids.view(n, B)[:, 1:],
+                              draft_limit, st, ints[2], positions.view(n, B) + 1, steps)
 
     @checked
     def propose(

@@ -9,7 +9,6 @@ n * bundle query tokens):
   per row; what an all-greedy step without controls reads back instead of sampling eagerly);
 - propose[n]: the propose body: the drafter's proposal, reading the verify graph's hidden
   states and tokens and what rejection sampling emitted.
-Rejection sampling of any other step runs between them, eager (it reads the requests' sampling settings on the host).
 In a step where some row uses a generation control, a third graph, controls[n], runs the
 controls body (sampling/controls.apply_controls) on verify[n]'s logits and tokens, the
 controls' per-row inputs (static buffers: slot, flag, penalties, min_tokens' positions;
@@ -17,6 +16,13 @@ padded rows neutral), the controls' tables (read in place) and the draft limits,
 the processed logits and their greedy outcome (what an all-greedy controlled step reads back);
 captured / traced when a step first needs it, like the others. A step without controls never
 replays it.
+In a step with a random row (temperature > 0) and no grammar, sample[n, filters, controlled] runs
+the sample body (sampling/rejection.sampled_verify) on verify[n]'s logits, or on what controls[n]
+left, with the rows' sampling settings in static buffers (written only when the step's requests
+changed) and the parts of p the step runs (sampler.Filters) fixed per graph, and writes its
+outcome into the proposal's inputs as verify[n] does for greedy steps. Rejection sampling runs
+eager (engine/runner.py) only for rows under a grammar or a multi-token bad word, whose masks are
+applied on the host.
 A proposal with grammar masks (structured outputs' constrained rows: each pass's mask needs the
 previous pass's drafts on the host) calls the propose body directly on the same buffers.
 On CPU, a prefill step of one chunk (state snapshots included) replays the prefill body, the
@@ -54,6 +60,8 @@ from mtpkit.step.metadata import PrefillMetadata, UniformRow, build_uniform
 from mtpkit.config import EngineConfig
 from mtpkit.step.cache import CacheTensors
 from mtpkit.sampling.controls import NEUTRAL_FLOATS, NEUTRAL_INTS, ControlInputs
+from mtpkit.sampling.params import SamplingParams
+from mtpkit.sampling.sampler import NEUTRAL_SAMPLING_FLOATS, NEUTRAL_SAMPLING_INTS, Filters, noise_steps, sampling_rows
 from mtpkit.step.draft import DraftMasks
 from mtpkit.shapes import Float, Int, Tensor, checked, is_debug
 from mtpkit.graphs.plan import CapturePlan
@@ -95,6 +103,17 @@ class Bodies(Protocol):
 
     def controls(self, logits, token_ids, ints, floats, counts, prompt_seen, static, stop,
                  draft_limit) -> tuple[Tensor, Tensor]: ...
+
+    def sample(self, filters: Filters, logits, processed, token_ids, positions, draft_limit, floats,
+               ints, steps) -> Tensor: ...
+
+
+class SampledRequest(Protocol):
+    """What a sample graph reads of a request (engine.request.Request): its settings and seed,
+    fixed for its life (a step's buffers are rewritten only when its requests change)."""
+
+    params: SamplingParams
+    seed: int | None
 
 
 # Tensor arguments of each body before the cache's (StaticBuffers.verify_inputs for verify).
@@ -268,6 +287,13 @@ class CapturedSteps:
         self._cache_flat: tuple[Tensor, ...] | None = None
         self.compiler = None              # CPU: graphs.compiled.Compiler (LLM(compile=...)), else traces replay
         self.controls_outcome: Tensor | None = None   # the last `controls` replay's greedy outcome (every row)
+        self._processed: Tensor | None = None          # ... and its processed logits (every row)
+        self.sample_graphs: dict = {}     # (n, filters, controlled) -> CUDA graph / traced sample body
+        self._sample_uses: dict = {}
+        self._sample_buf: tuple[Tensor, Tensor] | None = None   # sampler.sampling_rows' floats, ints [3, max_reqs]
+        self._sample_host: tuple = ()     # CPU: their numpy views
+        self._sample_rows: tuple = ((), 0)   # the requests and graph size the buffers hold
+        self._noise_steps: Tensor | None = None   # sampler.noise_steps of the vocabulary
 
     # ---- what is traced or captured -------------------------------------------------------
     # A body with its context length fixed, over flat tensor arguments. The cache tensors are
@@ -292,6 +318,23 @@ class CapturedSteps:
                 num_emitted.copy_(greedy[:, B])
             return hidden, logits, greedy
         return verify
+
+    def _sample_fn(self, filters: Filters, controlled: bool):
+        """The sample body for these filters, with or without the controls' processed logits (its
+        second argument when `controlled`), then its outcome written into the proposal's inputs
+        (the last two arguments), as `_verify_fn` does for greedy steps."""
+        B, handed_on = self.bundle, self.bodies.has_drafter
+
+        def sample(*args):
+            logits, processed = args[0], (args[1] if controlled else None)
+            rest = args[2:] if controlled else args[1:]
+            out = self.bodies.sample(filters, logits, processed, *rest[:6])
+            if handed_on:
+                emitted, num_emitted = rest[6], rest[7]
+                emitted.view(-1, B).copy_(out[:, :B])
+                num_emitted.copy_(out[:, B])
+            return out
+        return sample
 
     def _propose_fn(self, max_seq_len: int):
         return self._flat(self.bodies.propose, max_seq_len, PROPOSE_INPUTS)
@@ -444,7 +487,7 @@ class CapturedSteps:
                 self._trace_failed(e)
                 traced = False
         buf = self.buf
-        self.controls_outcome = None
+        self.controls_outcome = self._processed = None
         buf.fill(rows, n, B, self.cfg.block_size, draft_limits)
         if is_debug():   # the builder's metadata (shown in the trace) must be what the buffers hold
             self._check_fill(rows, n)
@@ -647,7 +690,85 @@ class CapturedSteps:
         if fn is None or not self.trace or is_debug():
             fn = self.bodies.controls
         processed, self.controls_outcome = fn(*args)
+        self._processed = processed
         return processed[:R]
+
+    def _fill_sampling(self, reqs: list, n: int) -> None:
+        """The sampling buffers' rows 0..n-1: `reqs`' settings, then padded rows' neutral ones;
+        rewritten only when the step's requests or graph size changed."""
+        last, last_n = self._sample_rows
+        if last_n == n and len(last) == len(reqs) and all(a is b for a, b in zip(last, reqs)):
+            return
+        R = len(reqs)
+        floats, ints = sampling_rows([r.params for r in reqs], [r.seed for r in reqs])
+        neutral = (NEUTRAL_SAMPLING_FLOATS, NEUTRAL_SAMPLING_INTS)
+        if self._sample_buf is None:
+            m = self.plan.sizes[-1]
+            self._sample_buf = (torch.zeros(3, m, dtype=torch.float32, device=self.device),
+                                torch.zeros(3, m, dtype=torch.int64, device=self.device))
+            if not self.cuda:
+                self._sample_host = tuple(b.numpy() for b in self._sample_buf)
+        for buf, host, rows, pad in zip(self._sample_buf, self._sample_host or (None, None), (floats, ints), neutral):
+            full = [row + [z] * (n - R) for row, z in zip(rows, pad)]
+            if host is not None:
+                host[:, :n] = full
+            else:
+                buf[:, :n].copy_(torch.tensor(full, dtype=buf.dtype))
+        self._sample_rows = (list(reqs), n)
+
+    def _sample_args(self, n: int, controlled: bool) -> tuple[Tensor, ...]:
+        """The sample body's arguments of graph size n, after the logits (and processed logits):
+        views made once per size."""
+        views = self._args.get(("sample", n))
+        if views is None:
+            T, buf = n * self.bundle, self.buf
+            logits = self.outputs[n]["logits"]
+            if self._noise_steps is None:   # (made here, outside any graph: see sampler.noise_steps)
+                self._noise_steps = noise_steps(logits.shape[-1], self.device)
+            views = self._args["sample", n] = (buf.token_ids[:T], buf.positions[:T], buf.draft_limit[:n]) + tuple(
+                b[:, :n] for b in self._sample_buf) + (self._noise_steps, buf.emitted[:T], buf.num_emitted[:n])
+        logits = self.outputs[n]["logits"]
+        return ((logits, self._processed) if controlled else (logits,)) + views
+
+    @checked
+    def sample(self, reqs: list, controlled: bool) -> Int[Tensor, "num_reqs_padded live_outcome"]:
+        """The last `verify`'s rows sampled by their requests' settings (`reqs`: its real rows', SampledRequest),
+        from its logits or, `controlled`, from what the last `controls` left: the outcome of every
+        row (sampling/rejection.sampled_verify; padded rows are greedy), also left in the proposal's
+        inputs. Replays sample[n, filters, controlled] (CUDA graph / CPU trace) or calls the body."""
+        n = self._last.num_reqs_padded
+        self._fill_sampling(reqs, n)
+        filters = Filters.of([r.params for r in reqs])._replace(greedy=True)   # padded rows are greedy
+        key = (n, filters, controlled)
+        args = self._sample_args(n, controlled)
+        if self.cuda:
+            if key not in self.sample_graphs:   # warming up on this step's rows writes what the replay will
+                body = self._sample_fn(filters, controlled)
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        body(*args)
+                torch.cuda.current_stream().wait_stream(stream)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    self.outputs[n][key] = body(*args)
+                self.sample_graphs[key] = g
+            self.sample_graphs[key].replay()
+            return self.outputs[n][key]
+        fn = self.sample_graphs.get(key)
+        if fn is None and self.trace and not is_debug():
+            uses = self._sample_uses[key] = self._sample_uses.get(key, 0) + 1
+            if uses > self.trace_after:
+                try:   # tracing on this step's rows writes what the call below writes
+                    fn = self.sample_graphs[key] = self._trace(
+                        self._sample_fn(filters, controlled), args,
+                        f"sample_{n}_{filters.code()}" + ("_controlled" if controlled else ""))
+                except Exception as e:  # noqa: BLE001 - the direct call below needs no tracer
+                    self._trace_failed(e)
+        if fn is None or not self.trace or is_debug():
+            fn = self._sample_fn(filters, controlled)
+        return fn(*args)
 
     def describe(self) -> str:
         mode = ("CUDA graphs" if self.cuda else "TorchScript traces on CPU" if self.trace

@@ -20,16 +20,18 @@ noise values per step whatever is accepted, and all-greedy steps draw nothing.
 
 With num_spec = 0 (bundle 1) this is plain sampling: one path for both.
 
-The acceptance rule is `accepted_prefix`, one function for both callers: `rejection_sample`
-(eager, any sampling settings) and `greedy_verify`, the same rule for all-greedy steps as
-tensor ops only (no host reads, no data-dependent shapes), which the verify body runs inside
-the captured step (engine/step_bodies.py) so that such a step reads back one small int tensor.
+The acceptance rule is `accepted_prefix`, one function for every caller: `rejection_sample`
+(eager, any sampling settings) and, as tensor ops only (no host reads, no data-dependent
+shapes) for the captured step (engine/step_bodies.py) so that a step reads back one small int
+tensor: `greedy_verify` (all-greedy steps; the verify body), `controlled_greedy_verify` (the
+controls body) and `sampled_verify` (steps with random rows; the sample body), which draws
+the same tokens as `rejection_sample` from the same p and noise.
 """
 
 import torch
 
 from mtpkit.shapes import Float, Int, Tensor, checked
-from mtpkit.sampling.sampler import SamplingTensors, sample_tokens, target_probs
+from mtpkit.sampling.sampler import SamplingTensors, keyed_positions, race, sample_tokens, target_probs
 
 
 @checked
@@ -95,6 +97,25 @@ def controlled_greedy_verify(
     processed ones leave some token (a dead end where 0). Graph-safe: the controls body computes
     it beside the processed logits, so such a step reads back one int tensor."""
     target = processed.argmax(-1)
+    finite = torch.isfinite(logits.amax(-1)).long()
+    live = torch.isfinite(processed.amax(-1)).long()
+    return torch.cat([target, accepted_prefix(target, drafts, draft_limit)[:, None], finite, live], dim=1)
+
+
+@checked
+def sampled_verify(
+    logits: Float[Tensor, "num_reqs bundle vocab"], processed: Float[Tensor, "num_reqs bundle vocab"],
+    drafts: Int[Tensor, "num_reqs bundle-1"], draft_limit: Int[Tensor, "num_reqs"], st: SamplingTensors,
+    seed_keys: Int[Tensor, "num_reqs"], positions: Int[Tensor, "num_reqs bundle"], steps: Int[Tensor, "vocab"],
+) -> Int[Tensor, "num_reqs 3*bundle+1"]:
+    """`rejection_sample` on `processed` (the logits the generation controls left, or the logits
+    themselves) as tensor ops only, packed like `controlled_greedy_verify`: [:, :bundle] the tokens,
+    [:, bundle] num_emitted, then 1 where the raw `logits` are finite, then 1 where `processed`
+    leaves some token. `seed_keys`: each row's sampler.seed_key (greedy rows: anything);
+    `positions`: the absolute position each bundle index samples; `steps`: sampler.noise_steps
+    (made outside the graph). Every row runs the race (a greedy row's one-hot p makes it its
+    argmax), so its noise is drawn for every row."""
+    target = race(target_probs(processed, st), keyed_positions(seed_keys, positions), steps)
     finite = torch.isfinite(logits.amax(-1)).long()
     live = torch.isfinite(processed.amax(-1)).long()
     return torch.cat([target, accepted_prefix(target, drafts, draft_limit)[:, None], finite, live], dim=1)
