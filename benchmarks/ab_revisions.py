@@ -47,6 +47,8 @@ def worker(args) -> None:
     if llm.runner.graphs is not None:
         llm.runner.graphs.trace_after = 0
     sampled = dict(temperature=args.temperature, seed=1) if args.temperature else {}
+    if args.repetition_penalty != 1.0:
+        sampled["repetition_penalty"] = args.repetition_penalty
     prompts, sp = heldout_prompts(8, 64), SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, **sampled)
     for _ in range(2):   # compiles / traces every graph the rounds use
         llm.generate(prompts, sp)
@@ -73,6 +75,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="> 0: seeded sampling (seed 1), not greedy")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="a generation control on every request")
     p.add_argument("--fresh", action="store_true",
                    help="each side compiles into an empty package cache of its own (MTPKIT_CACHE): a cold compile's "
                         "max-autotune picks vary from compile to compile, so a side whose packages were cached would "

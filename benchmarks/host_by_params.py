@@ -1,6 +1,7 @@
 """A verify step's host work by what the requests ask (issue 32): greedy (whose outcome the verify
-graph computes), sampled (rejection sampling runs eagerly on the host), and greedy with a
-generation control (the controls graph, then the eager path). Per step: its cycle (one stream
+graph computes), seeded sampling (the sample graph's), greedy with a generation control (the
+controls graph's), and sampling with top-k, top-p and a penalty (the controls graph, then the
+sample graph). Per step: its cycle (one stream
 event to the next) less its graph replays, median over the steps after each generation's first;
 CPU graphs traced (or compiled) in two warm-up runs of the same generations.
 
@@ -39,7 +40,10 @@ def main() -> None:
     base = dict(max_tokens=args.max_tokens, ignore_eos=True)
     kinds = {"greedy": SamplingParams(**base),
              "temperature 0.8, seeded": SamplingParams(**base, temperature=0.8, seed=1),
-             "greedy, repetition_penalty 1.1": SamplingParams(**base, repetition_penalty=1.1)}
+             "greedy, repetition_penalty 1.1": SamplingParams(**base, repetition_penalty=1.1),
+             # Qwen3's generation_config.json with a chat's usual repetition penalty
+             "temp 0.7, top_p 0.8, top_k 20, rep 1.05": SamplingParams(**base, temperature=0.7, top_p=0.8, top_k=20,
+                                                                       repetition_penalty=1.05, seed=1)}
     print(f"host work per verify step (median us: the step's cycle less its graph replays), {args.model} num_spec "
           f"{args.num_spec}, compile {args.compile}, drafter dtype {args.draft_dtype or 'as the target'}, "
           f"{args.prompts} held-out prompts x {args.max_tokens} tokens at batch 1, one thread:")
@@ -60,7 +64,7 @@ def main() -> None:
             host += [h for h, _ in steps[1:]]   # (the first event's cycle is the prefill's)
             graphs += [g for _, g in steps[1:]]
         h, g = statistics.median(host), statistics.median(graphs)
-        print(f"  {label:32s} host {h:7.1f} us, graphs {g:7.1f} us: host {h / (h + g):5.1%} of a step")
+        print(f"  {label:40s} host {h:7.1f} us, graphs {g:7.1f} us: host {h / (h + g):5.1%} of a step")
 
 
 def _timed_by(clock: GraphClock):

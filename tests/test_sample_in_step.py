@@ -179,36 +179,50 @@ def test_sampled_steps_in_the_graph_equal_the_eager_rejection(monkeypatch, name,
     assert alone == [o.token_ids for o in _llm(name, 0 if k else 3, eager=False).generate(prompts, params)]
 
 
-def test_sampled_step_runs_no_host_tensor_op_but_its_read_backs():
-    """A verify step with a random row, replayed from traces: the sample graph reads the rows'
-    settings from buffers written only when the step's requests change (numpy, no tensor op) and
-    writes its outcome where the proposal reads it, so the host reads back the outcome and the
-    drafts and runs no other tensor op. A row asking for logprobs needs the tokens as tensors."""
+CONTROLLED = dict(repetition_penalty=1.2, presence_penalty=0.3, min_tokens=3, logit_bias={11: 1.5})
+
+
+@pytest.mark.parametrize("rows", ["sampled", "greedy, controlled", "sampled, controlled"])
+def test_sampled_step_runs_no_host_tensor_op_but_its_read_backs(rows):
+    """A verify step with a random row (or a generation control), replayed from traces: the sample
+    graph reads the rows' settings from buffers written only when the step's requests change, the
+    controls graph its rows' inputs and the penalised rows' new counts written through numpy (no
+    tensor op), and each writes its outcome where the proposal reads it, so the host reads back the
+    outcome and the drafts and runs no other tensor op. A row asking for logprobs needs the tokens
+    as tensors."""
     name, k = "tiny-qwen3-next", 3
     llm = LLM(name, num_spec=k, dtype="float64", max_num_seqs=2, max_model_len=96, enable_prefix_caching=False)
     llm.runner.graphs.trace_after = 0
     prompts = [llm.tokenizer.encode(t).ids for t in ("def fibonacci(n):", "The capital of")]
-    sps = [SamplingParams(max_tokens=16, ignore_eos=True), SamplingParams(max_tokens=16, ignore_eos=True,
-                                                                          temperature=0.8, seed=1)]
+    base = dict(max_tokens=16, ignore_eos=True)
+    second = {"sampled": dict(temperature=0.8, seed=1), "greedy, controlled": CONTROLLED,
+              "sampled, controlled": dict(temperature=0.8, seed=1, top_k=20, **CONTROLLED)}[rows]
+    sps = [SamplingParams(**base), SamplingParams(**base, **second)]
     want = [o.token_ids for o in llm.generate(prompts, sps)]   # traces every graph these steps replay
     steps, real = [], llm.runner.execute
 
     def execute(plan):
         with _HostCalls() as calls:
             out = real(plan)
-        steps.append((plan.kind.value, calls.names))
+        steps.append((plan.kind.value, calls.names, plan.num_reqs))
         return out
     llm.runner.execute = execute
     got = [o.token_ids for o in llm.generate(prompts, sps)]
     assert got == want
-    verify = [names for kind, names in steps if kind == "verify"]
+    verify = [names for kind, names, _ in steps if kind == "verify"]
     assert len(verify) >= 3
     assert all(names == ["tolist", "tolist"] for names in verify), verify
     # switched off, the same steps run the eager rejection on the host, to the same tokens
     steps.clear()
-    llm.runner.sample_in_step = False
+    llm.runner.sample_in_step = llm.runner.greedy_in_step = False
     assert [o.token_ids for o in llm.generate(prompts, sps)] == want
-    assert all(len(names) > 2 for kind, names in steps if kind == "verify")
+    assert all(len(names) > 2 for kind, names, _ in steps if kind == "verify")
+    steps.clear()
+    llm.runner.sample_in_step = llm.runner.greedy_in_step = True
+    sps[0] = SamplingParams(**base, logprobs=1)
+    llm.generate(prompts, sps)
+    both = [names for kind, names, num_reqs in steps if kind == "verify" and num_reqs == 2]
+    assert both and all(len(names) > 2 for names in both)
 
 
 @pytest.mark.parametrize("controlled", [False, True])

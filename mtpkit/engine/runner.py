@@ -83,20 +83,25 @@ class ModelRunner:
             return self._verify(plan)
 
     # ---- generation controls ------------------------------------------------------------
+    def _tables(self, logits) -> ControlTables:
+        """The controls' tables: one row per running request, made at the first step that needs them."""
+        if self.control_tables is None:
+            self.control_tables = ControlTables(self.cfg.max_num_seqs + 1, logits.shape[-1],
+                                                controls_dtype(logits.dtype), self.device)
+        return self.control_tables
+
     def _controls(self, logits, drafts, reqs, captured: bool):
         """The generation controls (sampling/controls.py) on a step's logits: the same tensor
         when no row uses one. `captured`: a verify step whose graph-safe part replays on the
         graphs' static buffers (CapturedSteps.controls), else it runs here on these tensors."""
-        def tables() -> ControlTables:   # one row per running request, made at the first step that needs them
-            if self.control_tables is None:
-                self.control_tables = ControlTables(self.cfg.max_num_seqs + 1, logits.shape[-1],
-                                                    controls_dtype(logits.dtype), self.device)
-            return self.control_tables
         apply = None
         if captured:
+            R = logits.shape[0]
+
             def apply(inputs):
-                return self.graphs.controls(inputs, self.control_tables.tensors())
-        return controlled_logits(logits, drafts, reqs, tables, apply)
+                processed = self.graphs.controls(inputs, self.control_tables.tensors())
+                return processed if processed.shape[0] == R else processed[:R]
+        return controlled_logits(logits, drafts, reqs, lambda: self._tables(logits), apply)
 
     @staticmethod
     def _live(logits, processed, controlled: bool):
@@ -293,8 +298,12 @@ class ModelRunner:
                 step = verify_inputs(token_ids, positions, meta)
                 hidden, logits, greedy = self.bodies.verify(meta.max_seq_len, *step, limit, self.cache)
             # The real rows' logits and drafts, for the controls, logprobs or the eager rejection
-            # (a step sampled in its graph without them makes none: each op is host time).
-            if not plain and (uses_controls or ask or not from_graph):
+            # (a step whose outcome a graph computes makes none: each op is host time).
+            if from_graph and not ask:
+                if uses_controls:   # the controls graph, on the verify graph's logits
+                    tables = self._tables(logits)
+                    self.graphs.controls(tables.prepare(reqs), tables.tensors())
+            elif not plain:
                 if R < n:
                     limit = limit[:R]
                 # (a batch that fills its graph size takes views without slicing rows)
@@ -310,12 +319,9 @@ class ModelRunner:
             raise
         controlled = uses_controls or masks is not None
         in_buffers = False   # the proposal reads the step's outcome (every row) where a graph left it
-        if from_graph:
-            if all_greedy:
-                graph_out = self.graphs.controls_outcome
-            else:
-                graph_out = self.graphs.sample(reqs, controlled)
-                in_buffers = self.tp.size == 1
+        if from_graph:   # (either graph also left its tokens where the proposal reads them)
+            graph_out = self.graphs.controls_outcome if all_greedy else self.graphs.sample(reqs, controlled)
+            in_buffers = self.tp.size == 1
             if self.tp.size > 1:   # rank 0 decides
                 out = self.tp.broadcast(graph_out[:R].contiguous())
             else:

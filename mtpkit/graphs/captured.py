@@ -283,6 +283,7 @@ class CapturedSteps:
         self.control_graphs: dict = {}    # n -> CUDA graph / traced controls body
         self._control_uses: dict = {}
         self._control_buf: tuple[Tensor, ...] | None = None   # ControlInputs.ints / .floats, [3, max_reqs] each
+        self._control_host: tuple = ()    # CPU: their numpy views
         self._args: dict = {}             # ("verify" | "propose", n) -> the bodies' buffer and cache arguments
         self._cache_flat: tuple[Tensor, ...] | None = None
         self.compiler = None              # CPU: graphs.compiled.Compiler (LLM(compile=...)), else traces replay
@@ -318,6 +319,21 @@ class CapturedSteps:
                 num_emitted.copy_(greedy[:, B])
             return hidden, logits, greedy
         return verify
+
+    def _controls_fn(self):
+        """The controls body, then its greedy outcome written into the proposal's inputs (the last
+        two arguments), as `_verify_fn` does: an all-greedy controlled step hands it on inside the
+        graph. A step that samples overwrites them (the sample graph, or `propose` given its tokens)."""
+        B, handed_on = self.bundle, self.bodies.has_drafter
+
+        def controls(*args):
+            processed, outcome = self.bodies.controls(*args[:-2])
+            if handed_on:
+                emitted, num_emitted = args[-2:]
+                emitted.view(-1, B).copy_(outcome[:, :B])
+                num_emitted.copy_(outcome[:, B])
+            return processed, outcome
+        return controls
 
     def _sample_fn(self, filters: Filters, controlled: bool):
         """The sample body for these filters, with or without the controls' processed logits (its
@@ -645,53 +661,62 @@ class CapturedSteps:
                   *self.cache.tensors())[:R]
 
     @checked
-    def controls(self, inputs: ControlInputs, tables: tuple[Tensor, ...]) -> Float[Tensor, "num_reqs bundle vocab"]:
+    def controls(self, inputs: ControlInputs, tables: tuple[Tensor, ...]
+                 ) -> Float[Tensor, "num_reqs_padded bundle vocab"]:
         """The controls body on the last `verify`'s logits and tokens: `inputs` (the real rows'; padded
-        rows get neutral ones) copied into static buffers, `tables` (ControlTables.tensors(), never
+        rows get neutral ones) written into static buffers, `tables` (ControlTables.tensors(), never
         reallocated) read in place; replays controls[n] (CUDA graph / CPU trace) or calls the body.
-        Returns the real rows' processed logits; `controls_outcome` is then the body's greedy outcome
-        of every row (Bodies.controls), until the next `verify`."""
+        Returns every row's processed logits; `controls_outcome` is then the body's greedy outcome
+        of every row (Bodies.controls), until the next `verify`, also left in the proposal's inputs."""
         n, B = self._last.num_reqs_padded, self.bundle
-        vals = inputs.tensors()
-        R = vals[0].shape[1]
-        if self._control_buf is None:   # the buffers, and their neutral values (what padded rows get)
+        if self._control_buf is None:   # [3, max_reqs] each: ControlInputs.ints, .floats
             m = self.plan.sizes[-1]
-            self._control_neutral = tuple(torch.tensor(z, dtype=v.dtype)[:, None].expand(3, m).contiguous().to(
-                self.device) for v, z in zip(vals, (NEUTRAL_INTS, NEUTRAL_FLOATS)))
-            self._control_buf = tuple(t.clone() for t in self._control_neutral)
-        for buf, neutral, v in zip(self._control_buf, self._control_neutral, vals):
-            buf[:, :R].copy_(v)
-            buf[:, R:n].copy_(neutral[:, R:n])
-        args = (self.outputs[n]["logits"], self.buf.token_ids[:n * B]) + tuple(b[:, :n] for b in self._control_buf) \
-            + tuple(tables) + (self.buf.draft_limit[:n],)
+            self._control_buf = (torch.zeros(3, m, dtype=torch.int64, device=self.device),
+                                 torch.zeros(3, m, dtype=inputs.dtype, device=self.device))
+            if not self.cuda:
+                self._control_host = tuple(b.numpy() for b in self._control_buf)
+        R = len(inputs.ints[0])
+        for buf, host, rows, pad in zip(self._control_buf, self._control_host or (None, None),
+                                        (inputs.ints, inputs.floats), (NEUTRAL_INTS, NEUTRAL_FLOATS)):
+            full = [row + [z] * (n - R) for row, z in zip(rows, pad)]   # padded rows: neutral
+            if host is not None:   # CPU: written through numpy, no tensor op
+                host[:, :n] = full
+            else:
+                buf[:, :n].copy_(torch.tensor(full, dtype=buf.dtype))
+        rest = self._args.get(("controls", n))
+        if rest is None:   # (the tables are never reallocated)
+            rest = self._args["controls", n] = (self.buf.token_ids[:n * B],) + tuple(
+                b[:, :n] for b in self._control_buf) + tuple(tables) + (
+                self.buf.draft_limit[:n], self.buf.emitted[:n * B], self.buf.num_emitted[:n])
+        args = (self.outputs[n]["logits"],) + rest
         if self.cuda:
-            if n not in self.control_graphs:   # pure: warming up on this step's rows writes nothing
+            if n not in self.control_graphs:   # warming up on this step's rows writes what the replay will
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
+                body = self._controls_fn()
                 with torch.cuda.stream(stream):
                     for _ in range(2):
-                        self.bodies.controls(*args)
+                        body(*args)
                 torch.cuda.current_stream().wait_stream(stream)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
-                    self.outputs[n]["controls"] = self.bodies.controls(*args)
+                    self.outputs[n]["controls"] = body(*args)
                 self.control_graphs[n] = g
             self.control_graphs[n].replay()
-            processed, self.controls_outcome = self.outputs[n]["controls"]
-            return processed[:R]
+            self._processed, self.controls_outcome = self.outputs[n]["controls"]
+            return self._processed
         fn = self.control_graphs.get(n)
         if fn is None and self.trace and not is_debug():
             uses = self._control_uses[n] = self._control_uses.get(n, 0) + 1
             if uses > self.trace_after:
-                try:   # pure: tracing on this step's rows writes nothing
-                    fn = self.control_graphs[n] = self._trace(lambda *a: self.bodies.controls(*a), args, f"controls_{n}")
+                try:   # tracing on this step's rows writes what the call below writes
+                    fn = self.control_graphs[n] = self._trace(self._controls_fn(), args, f"controls_{n}")
                 except Exception as e:  # noqa: BLE001 - the direct call below needs no tracer
                     self._trace_failed(e)
         if fn is None or not self.trace or is_debug():
-            fn = self.bodies.controls
-        processed, self.controls_outcome = fn(*args)
-        self._processed = processed
-        return processed[:R]
+            fn = self._controls_fn()
+        self._processed, self.controls_outcome = fn(*args)
+        return self._processed
 
     def _fill_sampling(self, reqs: list, n: int) -> None:
         """The sampling buffers' rows 0..n-1: `reqs`' settings, then padded rows' neutral ones;

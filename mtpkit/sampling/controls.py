@@ -44,6 +44,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from mtpkit.sampling.params import SamplingParams
@@ -91,12 +92,16 @@ ROW_FLOATS = ("repetition", "presence", "frequency")
 NEUTRAL_INTS, NEUTRAL_FLOATS = (0, 0, 0), (1.0, 0.0, 0.0)
 
 
-@shaped_dataclass
+@dataclasses.dataclass
 class ControlInputs:
-    """A step's per-row inputs of `apply_controls` (ROW_INTS, ROW_FLOATS)."""
+    """A step's per-row inputs of `apply_controls` (ROW_INTS, ROW_FLOATS) as host values:
+    ints[f][i] is field f of row i. `tensors` makes them tensors (the eager paths); a captured
+    step writes them into its static buffers from the host (numpy views on CPU: no tensor op)."""
 
-    ints: Int[Tensor, "3 num_reqs"]
-    floats: Float[Tensor, "3 num_reqs"]
+    ints: list[list[int]]           # [3][num_reqs]
+    floats: list[list[float]]       # [3][num_reqs]
+    dtype: torch.dtype              # the tables' (the floats' tensor dtype)
+    device: torch.device
 
     @staticmethod
     def bytes_for(num_slots: int, vocab: int, dtype: torch.dtype) -> int:
@@ -104,9 +109,10 @@ class ControlInputs:
         allocated at the first step that uses a control, after the pools)."""
         return num_slots * vocab * (2 * dtype.itemsize + 2)
 
-    def tensors(self) -> tuple[Tensor, ...]:
+    def tensors(self) -> tuple[Int[Tensor, "3 num_reqs"], Float[Tensor, "3 num_reqs"]]:
         """In apply_controls' argument order."""
-        return self.ints, self.floats
+        return (torch.tensor(self.ints, dtype=torch.int64, device=self.device),
+                torch.tensor(self.floats, dtype=self.dtype, device=self.device))
 
 
 class ControlTables:
@@ -115,13 +121,16 @@ class ControlTables:
     step first needs them, never reallocated (a captured graph reads them in place)."""
 
     def __init__(self, num_slots: int, vocab: int, dtype: torch.dtype, device):
-        self.vocab, self.dtype, self.device = vocab, dtype, device
+        self.vocab, self.dtype, self.device = vocab, dtype, torch.device(device)
         self.counts: Float[Tensor, "control_slots vocab"] = torch.zeros(num_slots, vocab, dtype=dtype, device=device)
         self.prompt_seen: Bool[Tensor, "control_slots vocab"] = torch.zeros(num_slots, vocab, dtype=torch.bool,
                                                                             device=device)
         self.static: Float[Tensor, "control_slots vocab"] = torch.zeros(num_slots, vocab, dtype=dtype, device=device)
         self.stop: Bool[Tensor, "control_slots vocab"] = torch.zeros(num_slots, vocab, dtype=torch.bool, device=device)
         self._free = list(range(num_slots - 1, 0, -1))
+        # CPU: the counts as numpy, updated without a tensor op (each host op after a graph
+        # runs with the caches cold, ~10 us)
+        self._counts_host = self.counts.view(-1).numpy() if self.device.type == "cpu" else None
 
     @staticmethod
     def bytes_for(num_slots: int, vocab: int, dtype: torch.dtype) -> int:
@@ -172,7 +181,7 @@ class ControlTables:
         and counting every penalised request's output tokens emitted since its last step: one
         scatter for the batch. O(rows + their new tokens) host work."""
         n = len(reqs)
-        ints, floats = [list(NEUTRAL_INTS) for _ in range(n)], [list(NEUTRAL_FLOATS) for _ in range(n)]
+        ints, floats = [[z] * n for z in NEUTRAL_INTS], [[z] * n for z in NEUTRAL_FLOATS]
         flat = []
         for i, r in enumerate(reqs):
             p = r.params
@@ -187,13 +196,15 @@ class ControlTables:
                 base = st.slot * self.vocab
                 flat += [base + t for t in r.output_token_ids[st.num_counted:]]
             st.num_counted = len(r.output_token_ids)
-            ints[i] = [st.slot, 1, max(p.min_tokens - len(r.output_token_ids), 0)]
-            floats[i] = [p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
+            ints[0][i], ints[1][i], ints[2][i] = st.slot, 1, max(p.min_tokens - len(r.output_token_ids), 0)
+            floats[0][i], floats[1][i], floats[2][i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
         if flat:
-            self.counts.view(-1).index_add_(0, self._ids(flat), torch.ones(len(flat), dtype=self.dtype,
-                                                                         device=self.device))
-        return ControlInputs(torch.tensor(ints, dtype=torch.int64).T.to(self.device),
-                             torch.tensor(floats, dtype=self.dtype).T.to(self.device))
+            if self._counts_host is not None:
+                np.add.at(self._counts_host, flat, 1)
+            else:
+                self.counts.view(-1).index_add_(0, self._ids(flat), torch.ones(len(flat), dtype=self.dtype,
+                                                                             device=self.device))
+        return ControlInputs(ints, floats, self.dtype, self.device)
 
 
 @checked
