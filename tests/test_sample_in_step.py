@@ -18,7 +18,7 @@ from mtpkit.engine import runner as runner_module
 from mtpkit.sampling.rejection import rejection_sample, sampled_verify
 from mtpkit.sampling.sampler import Filters, SamplingTensors, noise_steps, sampling_rows, target_probs
 
-from test_greedy_in_step import MODELS, _counted, _HostCalls
+from test_greedy_in_step import MODELS, _counted, _HostCalls, _llm   # (float64; eager: rejection_sample)
 
 
 def _params(g, R: int) -> list[SamplingParams]:
@@ -121,19 +121,6 @@ def test_a_rows_p_does_not_depend_on_its_batch():
     assert bool((alone[0, 0, 1:] > 0).all())
     assert bool((mixed[0, 0, 1:] > 0).all()), "a top_p=1 row lost its tail to another row's top-p"
     torch.testing.assert_close(mixed[0], alone[0], rtol=1e-6, atol=0)
-
-
-_LLMS: dict = {}
-
-
-def _llm(name: str, k: int, eager: bool) -> LLM:
-    key = (name, k, eager)
-    if key not in _LLMS:
-        llm = _LLMS[key] = LLM(name, draft_model=MODELS[name] if k else None, num_spec=k, dtype="float64",
-                               max_num_seqs=8, max_model_len=96, enforce_eager=eager)
-        if not eager:
-            llm.runner.graphs.trace_after = 0    # traced from the first decode step
-    return _LLMS[key]
 
 
 def _mixed_params(max_tokens: int = 12) -> list[SamplingParams]:

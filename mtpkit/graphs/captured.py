@@ -692,32 +692,43 @@ class CapturedSteps:
         args = (self.outputs[n]["logits"],) + rest
         if self.cuda:
             if n not in self.control_graphs:   # warming up on this step's rows writes what the replay will
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                body = self._controls_fn()
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        body(*args)
-                torch.cuda.current_stream().wait_stream(stream)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    self.outputs[n]["controls"] = body(*args)
-                self.control_graphs[n] = g
+                self.control_graphs[n], self.outputs[n]["controls"] = self._capture_small(self._controls_fn(), args)
             self.control_graphs[n].replay()
             self._processed, self.controls_outcome = self.outputs[n]["controls"]
             return self._processed
-        fn = self.control_graphs.get(n)
-        if fn is None and self.trace and not is_debug():
-            uses = self._control_uses[n] = self._control_uses.get(n, 0) + 1
-            if uses > self.trace_after:
-                try:   # tracing on this step's rows writes what the call below writes
-                    fn = self.control_graphs[n] = self._trace(self._controls_fn(), args, f"controls_{n}")
-                except Exception as e:  # noqa: BLE001 - the direct call below needs no tracer
-                    self._trace_failed(e)
-        if fn is None or not self.trace or is_debug():
-            fn = self._controls_fn()
+        fn = self._small_cpu_graph(self.control_graphs, self._control_uses, n, self._controls_fn, args,
+                                   f"controls_{n}")
         self._processed, self.controls_outcome = fn(*args)
         return self._processed
+
+    def _capture_small(self, body, args: tuple):
+        """CUDA: `body` warmed up on a side stream, then captured on `args`: (graph, its outputs)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                body(*args)
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = body(*args)
+        return g, out
+
+    def _small_cpu_graph(self, graphs: dict, uses: dict, key, make, args: tuple, name: str):
+        """CPU: what runs a graph made after the verify graph (controls, sample) for `key`: its trace,
+        traced on this step's `args` at its use after `trace_after` (tracing writes what the call
+        then writes), or `make()`, the body, called directly."""
+        fn = graphs.get(key)
+        if fn is None and self.trace and not is_debug():
+            count = uses[key] = uses.get(key, 0) + 1
+            if count > self.trace_after:
+                try:
+                    fn = graphs[key] = self._trace(make(), args, name)
+                except Exception as e:  # noqa: BLE001 - the direct call needs no tracer
+                    self._trace_failed(e)
+        if fn is None or not self.trace or is_debug():
+            fn = make()
+        return fn
 
     def _fill_sampling(self, reqs: list, n: int) -> None:
         """The sampling buffers' rows 0..n-1: `reqs`' settings, then padded rows' neutral ones;
@@ -769,31 +780,13 @@ class CapturedSteps:
         args = self._sample_args(n, controlled)
         if self.cuda:
             if key not in self.sample_graphs:   # warming up on this step's rows writes what the replay will
-                body = self._sample_fn(filters, controlled)
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        body(*args)
-                torch.cuda.current_stream().wait_stream(stream)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    self.outputs[n][key] = body(*args)
-                self.sample_graphs[key] = g
+                self.sample_graphs[key], self.outputs[n][key] = self._capture_small(
+                    self._sample_fn(filters, controlled), args)
             self.sample_graphs[key].replay()
             return self.outputs[n][key]
-        fn = self.sample_graphs.get(key)
-        if fn is None and self.trace and not is_debug():
-            uses = self._sample_uses[key] = self._sample_uses.get(key, 0) + 1
-            if uses > self.trace_after:
-                try:   # tracing on this step's rows writes what the call below writes
-                    fn = self.sample_graphs[key] = self._trace(
-                        self._sample_fn(filters, controlled), args,
-                        f"sample_{n}_{filters.code()}" + ("_controlled" if controlled else ""))
-                except Exception as e:  # noqa: BLE001 - the direct call below needs no tracer
-                    self._trace_failed(e)
-        if fn is None or not self.trace or is_debug():
-            fn = self._sample_fn(filters, controlled)
+        fn = self._small_cpu_graph(self.sample_graphs, self._sample_uses, key,
+                                   lambda: self._sample_fn(filters, controlled), args,
+                                   f"sample_{n}_{filters.code()}" + ("_controlled" if controlled else ""))
         return fn(*args)
 
     def describe(self) -> str:
