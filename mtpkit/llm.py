@@ -36,21 +36,89 @@ Prompt = str | Sequence[int]
 MAX_LISTED = 20   # bad prompts listed in one error (then a count)
 
 
-@dataclasses.dataclass
 class StreamEvent:
     """One sample's increment after a step (a prompt has SamplingParams.n samples, 1 by
     default: new_token_ids, text, delta, finished and new_logprobs are sample
     `sample_index`'s; `output` is the prompt's, every sample so far in output.outputs)."""
 
-    index: int                      # position of the prompt in the call
-    new_token_ids: list[int]
-    text: str                       # all final text so far (the whole text on the finishing event)
-    finished: bool                  # this sample finished (output.finished: all of the prompt's)
-    output: RequestOutput
-    delta: str = ""                 # text that became final at this event (never half a character)
-    # SamplingParams.logprobs: one {token_id: Logprob} per token of new_token_ids; else None.
-    new_logprobs: list | None = None
-    sample_index: int = 0           # which of the prompt's samples (output.outputs[sample_index])
+    __slots__ = ("index", "new_token_ids", "text", "finished", "_output", "delta", "new_logprobs", "sample_index")
+
+    def __init__(self, index: int, new_token_ids: list[int], text: str, finished: bool,
+                 output: "RequestOutput | _PromptState", delta: str = "", new_logprobs: list | None = None,
+                 sample_index: int = 0):
+        self.index = index                    # position of the prompt in the call
+        self.new_token_ids = new_token_ids
+        self.text = text                      # all final text so far (the whole text on the finishing event)
+        self.finished = finished              # this sample finished (output.finished: all of the prompt's)
+        self._output = output
+        self.delta = delta                    # text that became final at this event (never half a character)
+        # SamplingParams.logprobs: one {token_id: Logprob} per token of new_token_ids; else None.
+        self.new_logprobs = new_logprobs
+        self.sample_index = sample_index      # which of the prompt's samples (output.outputs[sample_index])
+
+    @property
+    def output(self) -> RequestOutput:
+        """The prompt's RequestOutput as of this event. Built when first read (most callers read
+        only the increment): building one copies every token list, a cost that grows with the
+        output, so building it at every event would make a stream quadratic in its length."""
+        out = self._output
+        if isinstance(out, _PromptState):
+            out = self._output = out.build()
+        return out
+
+    def __repr__(self) -> str:
+        return (f"StreamEvent(index={self.index}, new_token_ids={self.new_token_ids!r}, text={self.text!r}, "
+                f"finished={self.finished}, output={self.output!r}, delta={self.delta!r}, "
+                f"new_logprobs={self.new_logprobs!r}, sample_index={self.sample_index})")
+
+
+class _SampleState:
+    """A sample as a stream event saw it, its CompletionOutput built when first asked for. A
+    request's token lists (and logprobs) only grow, so their first `num_tokens` entries are what
+    they held then; what may change later is kept here."""
+
+    __slots__ = ("r", "num_tokens", "finish_reason", "decoded", "error", "num_preemptions", "stats", "_out")
+
+    def __init__(self, r: Request, decoded: str | None):
+        self.r, self.num_tokens, self.finish_reason = r, len(r.output_token_ids), r.finish_reason
+        self.decoded = decoded   # the output decoded (a stream's detokenizer had it), else None
+        self.error, self.num_preemptions, self.stats = r.error, r.num_preemptions, r.stats
+        self._out: CompletionOutput | None = None
+
+    def completion(self, tokenizer) -> CompletionOutput:
+        if self._out is None:
+            r, n = self.r, self.num_tokens
+            text = None
+            if tokenizer is not None:
+                decoded = self.decoded if self.decoded is not None else tokenizer.decode(r.output_token_ids[:n])
+                text = cut_at_stop(decoded, r.params.stop)
+            self._out = CompletionOutput(r.sample_index, r.req_id, r.output_token_ids[:n], text, self.finish_reason,
+                                         self.stats, None if r.output_logprobs is None else r.output_logprobs[:n],
+                                         self.error, self.num_preemptions, r.token_steps[:n],
+                                         r.token_draft_positions[:n])
+        return self._out
+
+
+class _PromptState:
+    """A prompt's samples as a stream event saw them: its RequestOutput, built when first read
+    (StreamEvent.output)."""
+
+    __slots__ = ("first", "samples", "num_prompt_logprobs", "num_cached_tokens", "tokenizer")
+
+    def __init__(self, first: Request, samples: "list[_SampleState]", tokenizer):
+        self.first, self.samples, self.tokenizer = first, samples, tokenizer
+        self.num_prompt_logprobs = None if first.prompt_logprobs is None else len(first.prompt_logprobs)
+        self.num_cached_tokens = first.num_cached_tokens
+
+    def build(self) -> RequestOutput:
+        outs = [s.completion(self.tokenizer) for s in self.samples]
+        first, o = self.first, outs[0]
+        return RequestOutput(first.req_id, list(first.prompt_token_ids), o.token_ids, o.text,
+                             o.finish_reason, o.spec_stats, o.error, o.num_preemptions,
+                             o.token_steps, o.token_draft_positions, self.tokenizer, o.logprobs,
+                             None if self.num_prompt_logprobs is None
+                             else first.prompt_logprobs[:self.num_prompt_logprobs], outs,
+                             num_cached_tokens=self.num_cached_tokens)
 
 
 class LLM:
@@ -306,7 +374,7 @@ class LLM:
             seen = {r.req_id: 0 for r in samples}
             detok = {r.req_id: IncrementalDetokenizer(self.tokenizer, stop=r.params.stop) for r in samples}
             live = {r.req_id: r for r in samples}
-            texts = {}   # each sample's CompletionOutput as last built (rebuilt when it changes)
+            states = {}   # each sample's last _SampleState (a new one when it changes)
             while live:
                 # The step this caller ran, or the one another caller was running (Engine.advance).
                 stepped = [r for r in self.engine.advance() if r.req_id in live]
@@ -335,9 +403,8 @@ class LLM:
                             self._decode_logprobs(r.prompt_logprobs[1:])
                         d = detok[r.req_id]
                         delta = d.add(new, final=finished)
-                        out = self._output(r, texts, detok)
-                        yield StreamEvent(index[r.req_id], new, d.text, finished, out, delta, new_lps,
-                                          r.sample_index)
+                        yield StreamEvent(index[r.req_id], new, d.text, finished, self._state(r, states, detok),
+                                          delta, new_lps, r.sample_index)
                     if finished:
                         del live[r.req_id]
         finally:
@@ -366,7 +433,8 @@ class LLM:
             for ev in events:
                 if bar is not None:
                     bar.update(len(ev.new_token_ids))
-                if ev.output.finished:   # every sample of the prompt
+                # (an output is built only where a sample finished: StreamEvent.output)
+                if ev.finished and ev.output.finished:   # every sample of the prompt
                     outputs[ev.index] = ev.output
         if bar is not None:
             bar.close()
@@ -428,40 +496,20 @@ class LLM:
                                        chat_template=chat_template, **(chat_template_kwargs or {}))
         return self.generate(ids if len(ids) > 1 else ids[0], sampling_params, errors=errors, use_tqdm=use_tqdm)
 
-    def _completion(self, r: Request, built: dict | None = None,
-                    detoks: dict[int, IncrementalDetokenizer] | None = None) -> CompletionOutput:
-        """Sample r as a CompletionOutput; `built` keeps the last one per sample, reused while
-        r has neither new tokens nor an end. `detoks`: a stream's detokenizers, whose decoded
-        text is r's when they have taken all its tokens (decoding the whole output at every
-        event would cost a stream time quadratic in its length)."""
-        key = (len(r.output_token_ids), r.finish_reason)
-        if built is not None and built.get(r.req_id, (None,))[0] == key:
-            return built[r.req_id][1]
-        text = None
-        if self.tokenizer is not None:
-            d = None if detoks is None else detoks.get(r.req_id)
-            if d is not None and len(d.token_ids) == key[0]:
-                decoded = d.decoded
-            else:
-                decoded = self.tokenizer.decode(r.output_token_ids)
-            text = cut_at_stop(decoded, r.params.stop)
-        out = CompletionOutput(r.sample_index, r.req_id, list(r.output_token_ids), text, r.finish_reason, r.stats,
-                               None if r.output_logprobs is None else list(r.output_logprobs), r.error,
-                               r.num_preemptions, list(r.token_steps), list(r.token_draft_positions))
-        if built is not None:
-            built[r.req_id] = (key, out)
-        return out
-
-    def _output(self, r: Request, built: dict | None = None,
-                detoks: dict[int, IncrementalDetokenizer] | None = None) -> RequestOutput:
-        """The RequestOutput of r's prompt: every sample in .outputs, the fields those of sample 0."""
-        outs = [self._completion(s, built, detoks) for s in (r.samples or [r])]
-        first, o = (r.samples or [r])[0], outs[0]
-        return RequestOutput(first.req_id, list(first.prompt_token_ids), o.token_ids, o.text,
-                             o.finish_reason, o.spec_stats, o.error, o.num_preemptions,
-                             o.token_steps, o.token_draft_positions, self.tokenizer, o.logprobs,
-                             None if first.prompt_logprobs is None else list(first.prompt_logprobs), outs,
-                             num_cached_tokens=first.num_cached_tokens)
+    def _state(self, r: Request, seen: dict, detoks: dict[int, IncrementalDetokenizer]) -> _PromptState:
+        """r's prompt as of now (StreamEvent.output builds its RequestOutput when first read).
+        `seen` keeps each sample's last state, reused while it has neither new tokens nor an end
+        (its CompletionOutput then built once); `detoks`: the stream's detokenizers, whose decoded
+        text is a sample's when they have taken all its tokens."""
+        samples = []
+        for s in r.samples or [r]:
+            last = seen.get(s.req_id)
+            if last is None or last.num_tokens != len(s.output_token_ids) or last.finish_reason != s.finish_reason:
+                d = detoks.get(s.req_id)
+                last = seen[s.req_id] = _SampleState(
+                    s, d.decoded if d is not None and len(d.token_ids) == len(s.output_token_ids) else None)
+            samples.append(last)
+        return _PromptState((r.samples or [r])[0], samples, self.tokenizer)
 
     def _decode_logprobs(self, entries: list) -> list:
         """Fill each Logprob's decoded_token (the token's text alone), once per entry; returns entries."""

@@ -8,7 +8,7 @@ from mtpkit import LLM, SamplingParams
 from mtpkit.text.detokenize import IncrementalDetokenizer
 from mtpkit.engine.request import Status
 from mtpkit.errors import InputError
-from mtpkit.text.stop_strings import Appended, StopStringMatcher, partial_stop_len
+from mtpkit.text.stop_strings import Appended, StopStringMatcher, cut_at_stop, partial_stop_len
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, x):"]
 MAX = 40
@@ -227,3 +227,35 @@ def test_a_step_with_stop_strings_does_not_copy_the_whole_output(monkeypatch):
     out = llm.generate(["def f(x):"], SamplingParams(max_tokens=40, ignore_eos=True, stop=["<|never|>"]))[0]
     assert len(out.token_ids) == 40 and out.finish_reason == "length"
     assert not _SpyList.added, _SpyList.added
+
+
+def test_stream_events_output_is_the_output_as_of_the_event_read_late(engines, monkeypatch):
+    """A stream event's `output` is built when first read (building one per event copies every
+    token list, quadratic in the output over a stream), yet it is the output as of that event:
+    read after the stream ended, each event's output holds exactly the tokens, text, steps, draft
+    positions and logprobs up to it, unfinished but the last. generate() builds one per prompt."""
+    import mtpkit.llm as llm_module
+    llm = engines[3]
+    prompts = [llm.tokenizer.encode(t).ids for t in ("def fibonacci(n):", "The capital of")]
+    sps = [SamplingParams(max_tokens=20, ignore_eos=True, logprobs=1),
+           SamplingParams(max_tokens=14, ignore_eos=True, temperature=0.8, seed=3, stop=["\n\n\n"])]
+    events = list(llm.stream(prompts, sps))          # no output read while streaming
+    for i in range(2):
+        mine = [ev for ev in events if ev.index == i]
+        tokens = []
+        for j, ev in enumerate(mine):
+            tokens += ev.new_token_ids
+            out = ev.output
+            assert out.token_ids == tokens
+            assert len(out.token_steps) == len(tokens)
+            assert len(out.token_draft_positions) == len(tokens)
+            assert out.finished == (j == len(mine) - 1)
+            assert out.text == cut_at_stop(llm.tokenizer.decode(tokens), sps[i].stop or [])
+            if sps[i].logprobs is not None:
+                assert len(out.logprobs) == len(tokens)
+    built = []
+    real = llm_module._PromptState.build
+    monkeypatch.setattr(llm_module._PromptState, "build", lambda self: built.append(1) or real(self))
+    outs = llm.generate(prompts, sps)
+    assert len(built) == len(prompts) and [o.token_ids for o in outs] == [
+        [t for ev in events if ev.index == i for t in ev.new_token_ids] for i in range(2)]

@@ -150,7 +150,8 @@ def build_app(llm, *, model_name: str, api_key: str | None = None, max_body_byte
             """Apply one stream event to its choice; (index, choice, its new text, its logprobs object)."""
             i = ev.index * n + getattr(ev, "sample_index", 0)
             c = choices[i]
-            c.prompt_tokens = len(ev.output.prompt_token_ids)
+            if not c.prompt_tokens:   # (reading ev.output builds it: once per choice)
+                c.prompt_tokens = len(ev.output.prompt_token_ids)
             c.tokens += ev.new_token_ids
             lps = None
             if ev.new_logprobs is not None:
