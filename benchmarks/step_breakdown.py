@@ -19,10 +19,11 @@ phases are exclusive times that partition the step's wall time:
                      UniformRows, the draft limits, the outcome's .tolist(), the ReqResults
     bookkeeping      Scheduler.update and _append outside the stop checks
     stop checks      StopStringMatcher.find (in _append), first_stop / partial_stop_len (in the
-                     detokenizer), cut_at_stop (in LLM._output)
+                     detokenizer), cut_at_stop (where an output is built)
     detokenize       IncrementalDetokenizer.add outside its stop checks
-    outputs          LLM._output outside cut_at_stop: a decode of the whole output and the
-                     RequestOutput's list copies, once per event
+    outputs          LLM._state (what each event keeps of its prompt's samples) and _PromptState.build
+                     outside cut_at_stop (a RequestOutput: its list copies; built when an event's
+                     output is read, by generate() where a sample finished)
     stream           the rest of LLM.stream (and this script's empty loop over its events)
 
 A step runs from one LLM.step call to the next (the stream's handling of a step's events
@@ -230,9 +231,9 @@ def _patches(graphs_only: bool = False) -> list[tuple[object, str, object]]:
         (Scheduler, "update", "bookkeeping"), (Scheduler, "_append", "bookkeeping"),
         (StopStringMatcher, "find", "stop checks"),
         (stop_strings, "first_stop", "stop checks"), (stop_strings, "partial_stop_len", "stop checks"),
-        (llm_module, "cut_at_stop", "stop checks"),           # the name LLM._output calls
+        (llm_module, "cut_at_stop", "stop checks"),           # the name _SampleState.completion calls
         (IncrementalDetokenizer, "add", "detokenize"),
-        (llm_module.LLM, "_output", "outputs"),
+        (llm_module.LLM, "_state", "outputs"), (llm_module._PromptState, "build", "outputs"),
     ]:
         out.append((owner, attr, timed(getattr(owner, attr), phase)))
     from_params = SamplingTensors.__dict__["from_params"].__func__
