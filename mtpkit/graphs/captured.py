@@ -19,8 +19,8 @@ replays it.
 In a step with a random row (temperature > 0) and no grammar, sample[n, filters, controlled] runs
 the sample body (sampling/rejection.sampled_verify) on verify[n]'s logits, or on what controls[n]
 left, with the rows' sampling settings in static buffers (written only when the step's requests
-changed) and the parts of p the step runs fixed per graph (sampler.Filters.for_graph: with or
-without top-k and top-p; at most four sample graphs per size), and writes its
+changed) and the parts of p the step runs fixed per graph (sampler.Filters; under LLM(compile=...)
+Filters.for_graph: with or without top-k and top-p, at most four graphs per size to compile), and writes its
 outcome into the proposal's inputs as verify[n] does for greedy steps. Rejection sampling runs
 eager (engine/runner.py) only for rows under a grammar or a multi-token bad word, whose masks are
 applied on the host.
@@ -775,7 +775,9 @@ class CapturedSteps:
         inputs. Replays sample[n, filters, controlled] (CUDA graph / CPU trace) or calls the body."""
         n = self._last.num_reqs_padded
         self._fill_sampling(reqs, n)
-        filters = Filters.of([r.params for r in reqs]).for_graph()
+        filters = Filters.of([r.params for r in reqs])
+        # the parts the step asks for (padded rows are greedy); compiled graphs: fewer variants
+        filters = filters._replace(greedy=True) if self.compiler is None else filters.for_graph()
         key = (n, filters, controlled)
         args = self._sample_args(n, controlled)
         if self.cuda:

@@ -47,10 +47,10 @@ class Filters(NamedTuple):
                    any(p.top_p < 1.0 for p in rand), len(rand) < len(params))
 
     def for_graph(self) -> "Filters":
-        """The parts a captured step (graphs/captured.py) runs for these: fewer variants of its sample
-        graph to capture or compile. Min-p (a few elementwise ops) and the one-hot (padded rows are
-        greedy) always; top-k and top-p (a sort each) together where either is asked. A part run
-        for rows that do not ask changes nothing for them."""
+        """The parts a compiled captured step (graphs/captured.py) runs for these: fewer variants of
+        its sample graph to compile (seconds each). Min-p (a few elementwise ops, fused) and the
+        one-hot (padded rows are greedy) always; top-k and top-p (a sort each) together where either
+        is asked. A part run for rows that do not ask changes nothing for them."""
         truncate = self.top_k or self.top_p
         return Filters(True, truncate, truncate, True)
 
