@@ -1,7 +1,7 @@
 """A verify step's host work by how long the output already is (a stream's per-step cost must
 not grow with it): one long greedy generation at batch 1, one thread, CPU graphs traced; per
 step, its cycle (one stream event to the next) less its graph replays, median per eighth of the
-output. Run on two trees (or before / after a change) to compare.
+output, and the last eighth's against the first's (the same run: its own baseline).
 
     python benchmarks/host_by_length.py                     # tiny-qwen3-next, num_spec 0, 2000 tokens
     python benchmarks/host_by_length.py --num-spec 3 --read-outputs   # reading every event's output
@@ -49,10 +49,13 @@ def main() -> None:
     print(f"host work per verify step by output length (median us), {args.model} num_spec {args.num_spec}, "
           f"{args.max_tokens} tokens at batch 1, one thread, traced{', every output read' if args.read_outputs else ''}:")
     eighth = max(1, len(host) // 8)
-    done = 0
+    done, medians = 0, []
     for a in range(0, len(host) - eighth + 1, eighth):
-        print(f"  output tokens {done:5d}..{done + sum(tokens[a:a + eighth]):5d}: host {statistics.median(host[a:a + eighth]):7.1f} us")
+        medians.append(statistics.median(host[a:a + eighth]))
+        print(f"  output tokens {done:5d}..{done + sum(tokens[a:a + eighth]):5d}: host {medians[-1]:7.1f} us")
         done += sum(tokens[a:a + eighth])
+    print(f"  last eighth / first eighth: x{medians[-1] / medians[0]:.3f} (1.0: a step's host work does not grow "
+          "with the output)")
 
 
 if __name__ == "__main__":
