@@ -215,6 +215,8 @@ def test_sampled_step_runs_no_host_tensor_op_but_its_read_backs(rows):
     assert both and all(len(names) > 2 for names in both)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")   # torch.jit's, raised while inductor compiles
+@pytest.mark.filterwarnings("ignore::FutureWarning")        # torch.export's pytree, in torch 2.13
 @pytest.mark.parametrize("controlled", [False, True])
 def test_compiled_sample_graph_equals_the_eager_body(tmp_path, controlled):
     """The sample graph compiled for real (AOTInductor, as LLM(compile="aot") compiles it: a few
