@@ -5,7 +5,7 @@
 The revision is checked out into a temporary git worktree; one worker process per side imports
 mtpkit from its own tree (PYTHONPATH; the worker prints which), builds the engine (compiled
 graphs under `--compile`, in its warm-up: each tree's packages are named by its own source), and
-then times bench_cpu's 8 held-out prompts x `--max-tokens` tokens at batch 1 on one thread
+then times bench_cpu's 8 held-out prompts x `--max-tokens` tokens at batch 1 (`--batch`) on one thread
 whenever the parent asks. The parent asks the two in turn, swapping who goes first each round,
 so only one runs at a time; the ratio is the median of same-round ratios, and the tokens must be
 identical. It also times the graphs' replays in each side, and prints the time outside them (the
@@ -42,7 +42,7 @@ def worker(args) -> None:
     from graph_clock import GraphClock, graphs_of, replace_graphs
     torch.set_num_threads(1)
     kw = dict(compile=args.compile, compile_after=0) if args.compile != "none" else {}
-    llm = LLM(args.model, num_spec=args.num_spec, dtype="float32", max_num_seqs=1, num_threads=1,
+    llm = LLM(args.model, num_spec=args.num_spec, dtype="float32", max_num_seqs=args.batch, num_threads=1,
               enable_prefix_caching=False, draft_dtype=args.draft_dtype, **kw)
     if llm.runner.graphs is not None:
         llm.runner.graphs.trace_after = 0
@@ -61,7 +61,8 @@ def worker(args) -> None:
     for line in sys.stdin:
         clock.seconds = 0.0
         t = time.perf_counter()
-        tokens = [llm.generate([q], sp)[0].token_ids for q in prompts]
+        tokens = [o.token_ids for i in range(0, len(prompts), args.batch)
+                  for o in llm.generate(prompts[i:i + args.batch], sp)]
         print(json.dumps({"seconds": time.perf_counter() - t, "graphs": clock.seconds, "tokens": tokens}), flush=True)
 
 
@@ -76,6 +77,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="> 0: seeded sampling (seed 1), not greedy")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="a generation control on every request")
+    p.add_argument("--batch", type=int, default=1, help="prompts per call (max_num_seqs): 1 or 8")
     p.add_argument("--fresh", action="store_true",
                    help="each side compiles into an empty package cache of its own (MTPKIT_CACHE): a cold compile's "
                         "max-autotune picks vary from compile to compile, so a side whose packages were cached would "
@@ -87,7 +89,7 @@ def main() -> None:
     rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, check=True, capture_output=True,
                          text=True).stdout.strip()
     print(f"working tree vs {args.base} ({rev}): {args.model} num_spec {args.num_spec}, compile {args.compile}, "
-          f"drafter dtype {args.draft_dtype or 'as the target'}; 8 held-out prompts x {args.max_tokens} tokens at batch 1, "
+          f"drafter dtype {args.draft_dtype or 'as the target'}; 8 held-out prompts x {args.max_tokens} tokens at batch {args.batch}, "
           f"one thread, prefix cache off; {args.rounds} rounds, sides alternated; ratio: the median of same-round "
           "ratios", flush=True)
     with tempfile.TemporaryDirectory(prefix="mtpkit-ab-") as tmp:
