@@ -20,10 +20,11 @@ In a step with a random row (temperature > 0) and no grammar, sample[n, filters,
 the sample body (sampling/rejection.sampled_verify) on verify[n]'s logits, or on what controls[n]
 left, with the rows' sampling settings in static buffers (written only when the step's requests
 changed) and the parts of p the step runs fixed per graph (sampler.Filters; under LLM(compile=...)
-Filters.for_graph: with or without top-k and top-p, at most four graphs per size to compile), and writes its
-outcome into the proposal's inputs as verify[n] does for greedy steps. Rejection sampling runs
-eager (engine/runner.py) only for rows under a grammar or a multi-token bad word, whose masks are
-applied on the host.
+Filters.for_graph: with or without top-k and top-p, at most four graphs per size to compile), and
+writes its outcome into the proposal's inputs as verify[n] does for greedy steps. On CPU it is
+traced like the others; on CUDA the body is called on the static buffers, uncaptured (see
+`sample`). Rejection sampling runs eager (engine/runner.py) only for rows under a grammar or a
+multi-token bad word, whose masks are applied on the host.
 A proposal with grammar masks (structured outputs' constrained rows: each pass's mask needs the
 previous pass's drafts on the host) calls the propose body directly on the same buffers.
 On CPU, a prefill step of one chunk (state snapshots included) replays the prefill body, the
@@ -772,7 +773,8 @@ class CapturedSteps:
         """The last `verify`'s rows sampled by their requests' settings (`reqs`: its real rows', SampledRequest),
         from its logits or, `controlled`, from what the last `controls` left: the outcome of every
         row (sampling/rejection.sampled_verify; padded rows are greedy), also left in the proposal's
-        inputs. Replays sample[n, filters, controlled] (CUDA graph / CPU trace) or calls the body."""
+        inputs. Replays sample[n, filters, controlled] (a CPU trace) or calls the body (CUDA: on the
+        static buffers, uncaptured)."""
         n = self._last.num_reqs_padded
         self._fill_sampling(reqs, n)
         filters = Filters.of([r.params for r in reqs])
@@ -781,11 +783,11 @@ class CapturedSteps:
         key = (n, filters, controlled)
         args = self._sample_args(n, controlled)
         if self.cuda:
-            if key not in self.sample_graphs:   # warming up on this step's rows writes what the replay will
-                self.sample_graphs[key], self.outputs[n][key] = self._capture_small(
-                    self._sample_fn(filters, controlled), args)
-            self.sample_graphs[key].replay()
-            return self.outputs[n][key]
+            # Called on the static buffers, not captured: a captured graph keeps its intermediates in
+            # memory of its own, and this body's are [rows, bundle, vocab] int64 / float64 tensors
+            # (the noise), per (size, filters) key: hundreds of MB each at a 152k vocabulary. Whether
+            # capturing pays on a GPU (and in which memory pool) is measured there first (issue 33).
+            return self._sample_fn(filters, controlled)(*args)
         fn = self._small_cpu_graph(self.sample_graphs, self._sample_uses, key,
                                    lambda: self._sample_fn(filters, controlled), args,
                                    f"sample_{n}_{filters.code()}" + ("_controlled" if controlled else ""))
