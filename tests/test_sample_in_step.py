@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from mtpkit import LLM, SamplingParams
-from mtpkit.engine import runner as runner_module
 from mtpkit.sampling.rejection import rejection_sample, sampled_verify
 from mtpkit.sampling.sampler import Filters, SamplingTensors, noise_steps, sampling_rows, target_probs
 

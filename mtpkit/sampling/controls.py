@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from mtpkit.sampling.params import SamplingParams
-from mtpkit.shapes import Bool, Float, Int, Tensor, checked, shaped_dataclass
+from mtpkit.shapes import Bool, Float, Int, Tensor, checked
 
 
 @runtime_checkable
