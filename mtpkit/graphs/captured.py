@@ -295,7 +295,7 @@ class CapturedSteps:
         self._sample_uses: dict = {}
         self._sample_buf: tuple[Tensor, Tensor] | None = None   # sampler.sampling_rows' floats, ints [3, max_reqs]
         self._sample_host: tuple = ()     # CPU: their numpy views
-        self._sample_rows: tuple = ((), 0)   # the requests and graph size the buffers hold
+        self._sample_rows: tuple = ((), 0, None)   # the requests, graph size and Filters the buffers hold
         self._noise_steps: Tensor | None = None   # sampler.noise_steps of the vocabulary
 
     # ---- what is traced or captured -------------------------------------------------------
@@ -731,13 +731,17 @@ class CapturedSteps:
             fn = make()
         return fn
 
-    def _fill_sampling(self, reqs: list, n: int) -> None:
+    def _fill_sampling(self, reqs: list, n: int) -> Filters:
         """The sampling buffers' rows 0..n-1: `reqs`' settings, then padded rows' neutral ones;
-        rewritten only when the step's requests or graph size changed."""
-        last, last_n = self._sample_rows
+        rewritten only when the step's requests or graph size changed. Returns the parts of p the
+        graph runs for them (the parts they ask for, padded rows greedy; compiled graphs: fewer
+        variants, Filters.for_graph)."""
+        last, last_n, filters = self._sample_rows
         if last_n == n and len(last) == len(reqs) and all(a is b for a, b in zip(last, reqs)):
-            return
+            return filters
         R = len(reqs)
+        filters = Filters.of([r.params for r in reqs])
+        filters = filters._replace(greedy=True) if self.compiler is None else filters.for_graph()
         floats, ints = sampling_rows([r.params for r in reqs], [r.seed for r in reqs])
         neutral = (NEUTRAL_SAMPLING_FLOATS, NEUTRAL_SAMPLING_INTS)
         if self._sample_buf is None:
@@ -752,7 +756,8 @@ class CapturedSteps:
                 host[:, :n] = full
             else:
                 buf[:, :n].copy_(torch.tensor(full, dtype=buf.dtype))
-        self._sample_rows = (list(reqs), n)
+        self._sample_rows = (list(reqs), n, filters)
+        return filters
 
     def _sample_args(self, n: int, controlled: bool) -> tuple[Tensor, ...]:
         """The sample body's arguments of graph size n, after the logits (and processed logits):
@@ -776,10 +781,7 @@ class CapturedSteps:
         inputs. Replays sample[n, filters, controlled] (a CPU trace) or calls the body (CUDA: on the
         static buffers, uncaptured)."""
         n = self._last.num_reqs_padded
-        self._fill_sampling(reqs, n)
-        filters = Filters.of([r.params for r in reqs])
-        # the parts the step asks for (padded rows are greedy); compiled graphs: fewer variants
-        filters = filters._replace(greedy=True) if self.compiler is None else filters.for_graph()
+        filters = self._fill_sampling(reqs, n)
         key = (n, filters, controlled)
         args = self._sample_args(n, controlled)
         if self.cuda:
