@@ -227,3 +227,33 @@ def test_a_steady_step_launches_the_same_ops_whatever_the_rows_and_vocabulary():
 
     counts = {(rows, vocab): ops(rows, vocab) for rows in (2, 6) for vocab in (50, 5000)}
     assert len(set(counts.values())) == 1, counts
+
+
+def test_counts_add_every_new_output_token_once():
+    """ControlTables.prepare counts each penalised row's output tokens since its last step into its
+    slot's counts (on CPU through numpy: a step's few tokens one by one, a long run, as after a
+    preemption, at once), repeated tokens included, and a row's first prepare counts its output."""
+    import dataclasses
+
+    from mtpkit.sampling.controls import ControlTables
+
+    @dataclasses.dataclass
+    class Req:
+        params: SamplingParams
+        prompt_token_ids: list
+        output_token_ids: list
+        eos_token_ids: tuple = (1,)
+        drafts: list = dataclasses.field(default_factory=list)
+        controls: object = None
+
+    vocab = 40
+    g = torch.Generator().manual_seed(4)
+    sp = SamplingParams(max_tokens=500, frequency_penalty=0.5)
+    reqs = [Req(sp, [3, 4], torch.randint(0, vocab, (n,), generator=g).tolist()) for n in (100, 2)]
+    tables = ControlTables(3, vocab, torch.float32, "cpu")
+    for step in range(4):
+        tables.prepare(reqs)
+        for r in reqs:
+            want = torch.bincount(torch.tensor(r.output_token_ids), minlength=vocab).float()
+            assert torch.equal(tables.counts[r.controls.slot], want), step
+            r.output_token_ids += [7, 7, 9] if step % 2 else [11]   # a step's new tokens, one repeated

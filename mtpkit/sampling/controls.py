@@ -200,7 +200,12 @@ class ControlTables:
             floats[0][i], floats[1][i], floats[2][i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
         if flat:
             if self._counts_host is not None:
-                np.add.at(self._counts_host, flat, 1)
+                counts = self._counts_host
+                if len(flat) <= 64:   # a step's few tokens: np.add.at costs ~40 us a call whatever its size
+                    for t in flat:
+                        counts[t] += 1
+                else:                 # (a preempted request's whole output, counted again)
+                    np.add.at(counts, flat, 1)
             else:
                 self.counts.view(-1).index_add_(0, self._ids(flat), torch.ones(len(flat), dtype=self.dtype,
                                                                              device=self.device))
