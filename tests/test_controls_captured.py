@@ -7,6 +7,7 @@ same with drafts as without), the other rows going on; and a steady step's contr
 same tensor ops whatever the rows and the vocabulary (host work O(num_reqs)).
 """
 
+import dataclasses
 import json
 
 import gemma4_oracle as G
@@ -184,24 +185,25 @@ def test_controls_tensors_are_typed_and_rows_without_controls_untouched():
     assert out.dtype == torch.float32 and torch.equal(out, x.float())
 
 
+@dataclasses.dataclass
+class _Req:
+    """What the controls read of a request (sampling/controls.ControlledRequest)."""
+
+    params: SamplingParams
+    prompt_token_ids: list
+    output_token_ids: list
+    eos_token_ids: tuple = (1,)
+    drafts: list = dataclasses.field(default_factory=list)
+    controls: object = None
+
+
 def test_a_steady_step_launches_the_same_ops_whatever_the_rows_and_vocabulary():
     """Host work per step is O(num_reqs): after their slots are built, a step's controls
     (prepare, apply_controls, the multi-token bad words) launch the same tensor ops for 2 rows
     as for 6, and for a vocabulary of 50 as of 5000; nothing loops over the vocabulary."""
-    import dataclasses
-
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from mtpkit.sampling.controls import ControlTables, controlled_logits
-
-    @dataclasses.dataclass
-    class Req:
-        params: SamplingParams
-        prompt_token_ids: list
-        output_token_ids: list
-        eos_token_ids: tuple = (1,)
-        drafts: list = dataclasses.field(default_factory=lambda: [2, 3, 4])
-        controls: object = None
 
     class Count(TorchDispatchMode):
         n = 0
@@ -213,7 +215,7 @@ def test_a_steady_step_launches_the_same_ops_whatever_the_rows_and_vocabulary():
     def ops(rows: int, vocab: int) -> int:
         sp = SamplingParams(max_tokens=20, repetition_penalty=1.2, frequency_penalty=0.5, logit_bias={5: 1.0},
                             allowed_token_ids=list(range(0, vocab, 2)), bad_words=[[6, 8], [10]], min_tokens=9)
-        reqs = [Req(sp, [7, 8, 9], [6, 4]) for _ in range(rows)]
+        reqs = [_Req(sp, [7, 8, 9], [6, 4], drafts=[2, 3, 4]) for _ in range(rows)]
         tables = ControlTables(rows + 1, vocab, torch.float64, "cpu")
         logits = torch.randn(rows, 4, vocab, dtype=torch.float64)
         drafts = torch.tensor([r.drafts for r in reqs])
@@ -233,23 +235,12 @@ def test_counts_add_every_new_output_token_once():
     """ControlTables.prepare counts each penalised row's output tokens since its last step into its
     slot's counts (on CPU through numpy: a step's few tokens one by one, a long run, as after a
     preemption, at once), repeated tokens included, and a row's first prepare counts its output."""
-    import dataclasses
-
     from mtpkit.sampling.controls import ControlTables
-
-    @dataclasses.dataclass
-    class Req:
-        params: SamplingParams
-        prompt_token_ids: list
-        output_token_ids: list
-        eos_token_ids: tuple = (1,)
-        drafts: list = dataclasses.field(default_factory=list)
-        controls: object = None
 
     vocab = 40
     g = torch.Generator().manual_seed(4)
     sp = SamplingParams(max_tokens=500, frequency_penalty=0.5)
-    reqs = [Req(sp, [3, 4], torch.randint(0, vocab, (n,), generator=g).tolist()) for n in (100, 2)]
+    reqs = [_Req(sp, [3, 4], torch.randint(0, vocab, (n,), generator=g).tolist()) for n in (100, 2)]
     tables = ControlTables(3, vocab, torch.float32, "cpu")
     for step in range(4):
         tables.prepare(reqs)

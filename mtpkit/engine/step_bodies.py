@@ -129,7 +129,7 @@ class StepBodies:
         positions: Int[Tensor, "num_tokens"], draft_limit: Int[Tensor, "num_reqs_padded"],
         floats: Float[Tensor, "3 num_reqs_padded"], ints: Int[Tensor, "3 num_reqs_padded"],
         steps: Int[Tensor, "vocab"],
-    ) -> Int[Tensor, "num_reqs_padded 3*bundle+1"]:
+    ) -> Int[Tensor, "num_reqs_padded live_outcome"]:   # (no argument names the bundle when processed is None)
         """After a verify body (and the controls body: `processed`; None where no row uses a
         control): the step's outcome sampled by each row's settings (`floats`, `ints`:
         sampler.sampling_rows' layout; `filters`: the parts of p the step runs, fixed per graph;

@@ -258,6 +258,30 @@ class StaticBuffers:
                 f["block_tables"][:, :n], f["state_slots"][:n], f["prev_num_emitted"][:n], f["draft_limit"][:n])
 
 
+class RowValues:
+    """Per-row values a body reads beside the step's buffers, as two static buffers: ints and
+    floats [3, max_reqs] (the controls' inputs; the sampling settings). Written from the host
+    through numpy views of them on CPU (no tensor op: each runs cache-cold after a graph), one copy
+    each on CUDA; the rows past the real ones up to the graph size get `neutral` values."""
+
+    def __init__(self, max_reqs: int, float_dtype: torch.dtype, device: torch.device,
+                 neutral_ints: tuple, neutral_floats: tuple):
+        self.ints = torch.zeros(3, max_reqs, dtype=torch.int64, device=device)
+        self.floats = torch.zeros(3, max_reqs, dtype=float_dtype, device=device)
+        self.neutral = (neutral_ints, neutral_floats)
+        self.host = (self.ints.numpy(), self.floats.numpy()) if torch.device(device).type == "cpu" else None
+
+    def write(self, ints: list[list[int]], floats: list[list[float]], n: int) -> None:
+        """Rows 0..n-1: `ints[f][i]` and `floats[f][i]` (field f of real row i), then neutral ones."""
+        R = len(ints[0])
+        for k, (buf, rows, pad) in enumerate(zip((self.ints, self.floats), (ints, floats), self.neutral)):
+            full = [row + [z] * (n - R) for row, z in zip(rows, pad)]
+            if self.host is not None:
+                self.host[k][:, :n] = full
+            else:
+                buf[:, :n].copy_(torch.tensor(full, dtype=buf.dtype))
+
+
 class CapturedSteps:
     """The verify and propose bodies captured (CUDA) or traced (CPU) per graph size, their
     replays, and the proposal after a prefill (traced on CPU)."""
@@ -284,18 +308,16 @@ class CapturedSteps:
         self._prefill_uses: dict = {}
         self.control_graphs: dict = {}    # n -> CUDA graph / traced controls body
         self._control_uses: dict = {}
-        self._control_buf: tuple[Tensor, ...] | None = None   # ControlInputs.ints / .floats, [3, max_reqs] each
-        self._control_host: tuple = ()    # CPU: their numpy views
+        self._control_rows: RowValues | None = None   # ControlInputs.ints / .floats
         self._args: dict = {}             # ("verify" | "propose", n) -> the bodies' buffer and cache arguments
         self._cache_flat: tuple[Tensor, ...] | None = None
         self.compiler = None              # CPU: graphs.compiled.Compiler (LLM(compile=...)), else traces replay
         self.controls_outcome: Tensor | None = None   # the last `controls` replay's greedy outcome (every row)
         self._processed: Tensor | None = None          # ... and its processed logits (every row)
-        self.sample_graphs: dict = {}     # (n, filters, controlled) -> CUDA graph / traced sample body
+        self.sample_graphs: dict = {}     # CPU: (n, filters, controlled) -> traced sample body
         self._sample_uses: dict = {}
-        self._sample_buf: tuple[Tensor, Tensor] | None = None   # sampler.sampling_rows' floats, ints [3, max_reqs]
-        self._sample_host: tuple = ()     # CPU: their numpy views
-        self._sample_rows: tuple = ((), 0, None)   # the requests, graph size and Filters the buffers hold
+        self._sample_rows: RowValues | None = None   # sampler.sampling_rows' ints, floats
+        self._sample_held: tuple = ((), 0, None)   # the requests, graph size and Filters the buffers hold
         self._noise_steps: Tensor | None = None   # sampler.noise_steps of the vocabulary
 
     # ---- what is traced or captured -------------------------------------------------------
@@ -671,25 +693,14 @@ class CapturedSteps:
         Returns every row's processed logits; `controls_outcome` is then the body's greedy outcome
         of every row (Bodies.controls), until the next `verify`, also left in the proposal's inputs."""
         n, B = self._last.num_reqs_padded, self.bundle
-        if self._control_buf is None:   # [3, max_reqs] each: ControlInputs.ints, .floats
-            m = self.plan.sizes[-1]
-            self._control_buf = (torch.zeros(3, m, dtype=torch.int64, device=self.device),
-                                 torch.zeros(3, m, dtype=inputs.dtype, device=self.device))
-            if not self.cuda:
-                self._control_host = tuple(b.numpy() for b in self._control_buf)
-        R = len(inputs.ints[0])
-        for buf, host, rows, pad in zip(self._control_buf, self._control_host or (None, None),
-                                        (inputs.ints, inputs.floats), (NEUTRAL_INTS, NEUTRAL_FLOATS)):
-            full = [row + [z] * (n - R) for row, z in zip(rows, pad)]   # padded rows: neutral
-            if host is not None:   # CPU: written through numpy, no tensor op
-                host[:, :n] = full
-            else:
-                buf[:, :n].copy_(torch.tensor(full, dtype=buf.dtype))
+        if self._control_rows is None:
+            self._control_rows = RowValues(self.plan.sizes[-1], inputs.dtype, self.device, NEUTRAL_INTS, NEUTRAL_FLOATS)
+        rows = self._control_rows
+        rows.write(inputs.ints, inputs.floats, n)
         rest = self._args.get(("controls", n))
         if rest is None:   # (the tables are never reallocated)
-            rest = self._args["controls", n] = (self.buf.token_ids[:n * B],) + tuple(
-                b[:, :n] for b in self._control_buf) + tuple(tables) + (
-                self.buf.draft_limit[:n], self.buf.emitted[:n * B], self.buf.num_emitted[:n])
+            rest = self._args["controls", n] = (self.buf.token_ids[:n * B], rows.ints[:, :n], rows.floats[:, :n]) \
+                + tuple(tables) + (self.buf.draft_limit[:n], self.buf.emitted[:n * B], self.buf.num_emitted[:n])
         args = (self.outputs[n]["logits"],) + rest
         if self.cuda:
             if n not in self.control_graphs:   # warming up on this step's rows writes what the replay will
@@ -736,27 +747,17 @@ class CapturedSteps:
         rewritten only when the step's requests or graph size changed. Returns the parts of p the
         graph runs for them (the parts they ask for, padded rows greedy; compiled graphs: fewer
         variants, Filters.for_graph)."""
-        last, last_n, filters = self._sample_rows
+        last, last_n, filters = self._sample_held
         if last_n == n and len(last) == len(reqs) and all(a is b for a, b in zip(last, reqs)):
             return filters
-        R = len(reqs)
         filters = Filters.of([r.params for r in reqs])
         filters = filters._replace(greedy=True) if self.compiler is None else filters.for_graph()
         floats, ints = sampling_rows([r.params for r in reqs], [r.seed for r in reqs])
-        neutral = (NEUTRAL_SAMPLING_FLOATS, NEUTRAL_SAMPLING_INTS)
-        if self._sample_buf is None:
-            m = self.plan.sizes[-1]
-            self._sample_buf = (torch.zeros(3, m, dtype=torch.float32, device=self.device),
-                                torch.zeros(3, m, dtype=torch.int64, device=self.device))
-            if not self.cuda:
-                self._sample_host = tuple(b.numpy() for b in self._sample_buf)
-        for buf, host, rows, pad in zip(self._sample_buf, self._sample_host or (None, None), (floats, ints), neutral):
-            full = [row + [z] * (n - R) for row, z in zip(rows, pad)]
-            if host is not None:
-                host[:, :n] = full
-            else:
-                buf[:, :n].copy_(torch.tensor(full, dtype=buf.dtype))
-        self._sample_rows = (list(reqs), n, filters)
+        if self._sample_rows is None:
+            self._sample_rows = RowValues(self.plan.sizes[-1], torch.float32, self.device,
+                                              NEUTRAL_SAMPLING_INTS, NEUTRAL_SAMPLING_FLOATS)
+        self._sample_rows.write(ints, floats, n)
+        self._sample_held = (list(reqs), n, filters)
         return filters
 
     def _sample_args(self, n: int, controlled: bool) -> tuple[Tensor, ...]:
@@ -768,8 +769,10 @@ class CapturedSteps:
             logits = self.outputs[n]["logits"]
             if self._noise_steps is None:   # (made here, outside any graph: see sampler.noise_steps)
                 self._noise_steps = noise_steps(logits.shape[-1], self.device)
-            views = self._args["sample", n] = (buf.token_ids[:T], buf.positions[:T], buf.draft_limit[:n]) + tuple(
-                b[:, :n] for b in self._sample_buf) + (self._noise_steps, buf.emitted[:T], buf.num_emitted[:n])
+            rows = self._sample_rows
+            views = self._args["sample", n] = (buf.token_ids[:T], buf.positions[:T], buf.draft_limit[:n],
+                                               rows.floats[:, :n], rows.ints[:, :n], self._noise_steps,
+                                               buf.emitted[:T], buf.num_emitted[:n])
         logits = self.outputs[n]["logits"]
         return ((logits, self._processed) if controlled else (logits,)) + views
 

@@ -21,9 +21,9 @@ noise values per step whatever is accepted, and all-greedy steps draw nothing.
 With num_spec = 0 (bundle 1) this is plain sampling: one path for both.
 
 The acceptance rule is `accepted_prefix`, one function for every caller: `rejection_sample`
-(eager, any sampling settings) and, as tensor ops only (no host reads, no data-dependent
-shapes) for the captured step (engine/step_bodies.py) so that a step reads back one small int
-tensor: `greedy_verify` (all-greedy steps; the verify body), `controlled_greedy_verify` (the
+(eager, any sampling settings, the step's real rows) and, as tensor ops only (no host reads, no
+data-dependent shapes) for the captured step (engine/step_bodies.py: every row of a graph size,
+padded ones too) so that a step reads back one small int tensor: `greedy_verify` (all-greedy steps; the verify body), `controlled_greedy_verify` (the
 controls body) and `sampled_verify` (steps with random rows; the sample body), which draws
 the same tokens as `rejection_sample` from the same p and noise.
 """
@@ -73,8 +73,8 @@ def accepted_prefix(target: Int[Tensor, "num_reqs bundle"], drafts: Int[Tensor, 
 
 
 @checked
-def greedy_verify(logits: Float[Tensor, "num_reqs bundle vocab"], drafts: Int[Tensor, "num_reqs bundle-1"],
-                  draft_limit: Int[Tensor, "num_reqs"]) -> Int[Tensor, "num_reqs 2*bundle+1"]:
+def greedy_verify(logits: Float[Tensor, "num_reqs_padded bundle vocab"], drafts: Int[Tensor, "num_reqs_padded bundle-1"],
+                  draft_limit: Int[Tensor, "num_reqs_padded"]) -> Int[Tensor, "num_reqs_padded 2*bundle+1"]:
     """A verify step's outcome if every row is greedy and nothing processes the logits (no
     generation control, no grammar), packed as one int tensor: [:, :bundle] the tokens
     (`rejection_sample`'s for greedy rows), [:, bundle] num_emitted, [:, bundle+1:] 1 where the
@@ -88,9 +88,9 @@ def greedy_verify(logits: Float[Tensor, "num_reqs bundle vocab"], drafts: Int[Te
 
 @checked
 def controlled_greedy_verify(
-    logits: Float[Tensor, "num_reqs bundle vocab"], processed: Float[Tensor, "num_reqs bundle vocab"],
-    drafts: Int[Tensor, "num_reqs bundle-1"], draft_limit: Int[Tensor, "num_reqs"],
-) -> Int[Tensor, "num_reqs 3*bundle+1"]:
+    logits: Float[Tensor, "num_reqs_padded bundle vocab"], processed: Float[Tensor, "num_reqs_padded bundle vocab"],
+    drafts: Int[Tensor, "num_reqs_padded bundle-1"], draft_limit: Int[Tensor, "num_reqs_padded"],
+) -> Int[Tensor, "num_reqs_padded 3*bundle+1"]:
     """greedy_verify for an all-greedy step whose logits the generation controls processed:
     [:, :bundle] the tokens (`rejection_sample`'s on `processed` for greedy rows), [:, bundle]
     num_emitted, then per bundle position 1 where the raw `logits` are finite, then 1 where the
@@ -104,10 +104,11 @@ def controlled_greedy_verify(
 
 @checked
 def sampled_verify(
-    logits: Float[Tensor, "num_reqs bundle vocab"], processed: Float[Tensor, "num_reqs bundle vocab"],
-    drafts: Int[Tensor, "num_reqs bundle-1"], draft_limit: Int[Tensor, "num_reqs"], st: SamplingTensors,
-    seed_keys: Int[Tensor, "num_reqs"], positions: Int[Tensor, "num_reqs bundle"], steps: Int[Tensor, "vocab"],
-) -> Int[Tensor, "num_reqs 3*bundle+1"]:
+    logits: Float[Tensor, "num_reqs_padded bundle vocab"], processed: Float[Tensor, "num_reqs_padded bundle vocab"],
+    drafts: Int[Tensor, "num_reqs_padded bundle-1"], draft_limit: Int[Tensor, "num_reqs_padded"], st: SamplingTensors,
+    seed_keys: Int[Tensor, "num_reqs_padded"], positions: Int[Tensor, "num_reqs_padded bundle"],
+    steps: Int[Tensor, "vocab"],
+) -> Int[Tensor, "num_reqs_padded 3*bundle+1"]:
     """`rejection_sample` on `processed` (the logits the generation controls left, or the logits
     themselves) as tensor ops only, packed like `controlled_greedy_verify`: [:, :bundle] the tokens,
     [:, bundle] num_emitted, then 1 where the raw `logits` are finite, then 1 where `processed`

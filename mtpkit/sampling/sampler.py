@@ -86,10 +86,11 @@ class SamplingTensors:
         )
 
     @classmethod
-    def from_buffers(cls, floats: Float[Tensor, "3 num_reqs"], ints: Int[Tensor, "3 num_reqs"],
+    def from_buffers(cls, floats: Float[Tensor, "3 num_reqs_padded"], ints: Int[Tensor, "3 num_reqs_padded"],
                      filters: Filters) -> "SamplingTensors":
         """The settings a captured step reads from its static buffers (`sampling_rows`' layout),
-        without host reads: graph-safe."""
+        without host reads: graph-safe. Its rows are then the graph size's, padded ones greedy
+        (the fields' `num_reqs` are the rows the functions taking them run over)."""
         return cls(temperature=floats[0], top_k=ints[0], top_p=floats[1], min_p=floats[2], greedy=ints[1] != 0,
                    all_greedy=False, filters=filters)
 

@@ -60,11 +60,11 @@ class StateSave:
     entry: int
 
 
-# t stays plain Tensor: KV blocks, state slots or snapshot stores (no one shape name fits them).
+# t stays plain Tensor: any pool tensor whose first dim is its rows (KV blocks, state slots or
+# snapshot stores, each of its own shape), so no one shape name fits them.
 def _copy_rows(t: Tensor, pairs: list[tuple[int, int]]) -> None:
-    """(t: any pool tensor whose first dim is its rows, KV blocks, state slots or snapshots, so
-    no one shape name fits.) t[dst] = t[src] for each pair, in order: one indexed copy when no destination repeats
-    or is read by another pair, else one by one."""
+    """t[dst] = t[src] for each pair, in order: one indexed copy when no destination repeats or
+    is read by another pair, else one by one."""
     src, dst = [a for a, _ in pairs], [b for _, b in pairs]
     if len(set(dst)) == len(dst) and not set(dst) & set(src):
         index = torch.tensor(dst, device=t.device)
