@@ -102,6 +102,10 @@ def add_memory_options(p: argparse.ArgumentParser) -> None:
                         "target generates the same text and reads half the bytes per draft pass: faster with "
                         "--compile aot-tuned on CPUs with bfloat16 arithmetic, slower without --compile "
                         "(auto: the target's)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1, metavar="N",
+                   help="CPU, --num-spec 0: up to N greedy decode steps per scheduling (the decode graph replayed N "
+                        "times in a row; the host's work around a step paid once per N tokens; the same text, "
+                        "streamed N tokens at a time)")
 
 
 def memory_kwargs(args) -> dict:
@@ -110,7 +114,8 @@ def memory_kwargs(args) -> dict:
                 kv_cache_memory=args.kv_cache_memory, state_cache_memory=args.state_cache_memory,
                 num_blocks=args.num_blocks, num_state_slots=args.num_state_slots,
                 keep_fp8=FP8_WEIGHTS[args.fp8_weights], compile=getattr(args, "compile", None),
-                draft_dtype=getattr(args, "draft_dtype", "auto"))
+                draft_dtype=getattr(args, "draft_dtype", "auto"),
+                num_scheduler_steps=getattr(args, "num_scheduler_steps", 1))
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -71,6 +71,7 @@ class EngineConfig:
     max_model_len: int = 2048
     block_size: int = 16
     max_num_batched_tokens: int = 2048   # token budget of a prefill step
+    num_scheduler_steps: int = 1         # decode steps per scheduling (EngineArgs; CPU graphs, num_spec 0)
 
     @property
     def bundle(self) -> int:
@@ -87,6 +88,12 @@ class EngineConfig:
         """Positions a verify step writes from num_computed on: the bundle, then the drafter's
         lookahead."""
         return self.bundle + self.kv_lookahead
+
+    @property
+    def decode_span(self) -> int:
+        """Positions a verify step writes from num_computed on, decode steps run in a row
+        (num_scheduler_steps) included: what a steady-state step holds blocks for."""
+        return self.verify_span + self.num_scheduler_steps - 1
 
     @property
     def max_blocks(self) -> int:

@@ -138,7 +138,7 @@ class LLM:
                  enable_prefix_caching: bool = True, prefix_snapshot_interval: int | None = None,
                  num_prefix_snapshots: int | None = None, compile: str | None = None,
                  compile_after: int | None = None, compile_cache_dir: str | Path | None = None,
-                 draft_dtype=None):
+                 draft_dtype=None, num_scheduler_steps: int = 1):
         """Load `model` (a checkpoint directory, a hub id or a built-in name) and build its
         engine (mtpkit/engine/build.py). Every keyword is an engine argument, documented on
         mtpkit.engine.args.EngineArgs. A configuration that cannot work is a ConfigError raised
@@ -154,7 +154,7 @@ class LLM:
             keep_fp8=keep_fp8, recycle_sliding_kv=recycle_sliding_kv, enable_prefix_caching=enable_prefix_caching,
             prefix_snapshot_interval=prefix_snapshot_interval, num_prefix_snapshots=num_prefix_snapshots,
             compile=compile, compile_after=compile_after, compile_cache_dir=compile_cache_dir,
-            draft_dtype=draft_dtype)
+            draft_dtype=draft_dtype, num_scheduler_steps=num_scheduler_steps)
         ckpt = open_checkpoint(model, load_format)
         self.model_path, self.model_config = ckpt.path, ckpt.config
         self.tokenizer = load_tokenizer(ckpt.path, ckpt.config.vocab_size)  # a broken file is named before weights load

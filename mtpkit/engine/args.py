@@ -65,6 +65,15 @@ class EngineArgs:
     bfloat16 arithmetic; the traced graphs run it slower (docs/performance.md). For the drafters
     that say so (DraftSetup.own_dtype: the MTP head, the Gemma 4 assistant), one process (no
     tensor parallelism), weights not kept in FP8.
+    num_scheduler_steps (CPU graphs, num_spec=0, opt-in; vLLM's name): up to this many decode
+    steps run per scheduling, the verify graph replayed that many times in a row, each replay
+    fed the last one's greedy tokens on the host's buffers (graphs/captured.CapturedSteps.decode),
+    so the scheduling, metadata and bookkeeping around a step are paid once for several tokens.
+    Only steps whose every request is greedy without controls, logprobs or a grammar run so
+    (others run one step at a time); a run stops at a request's max_tokens / max_model_len and,
+    with a prefix cache over recurrent state, at its next block boundary (whose state snapshot
+    it saves). What is generated does not change; a stream reports the run's tokens together,
+    and a request queued meanwhile waits for the run to end. 1 (default): one step at a time.
     """
 
     num_spec: int = 0
@@ -98,6 +107,7 @@ class EngineArgs:
     compile_after: int | None = None
     compile_cache_dir: str | Path | None = None
     draft_dtype: object = None
+    num_scheduler_steps: int = 1
 
 
 def check_load_format(load_format: str) -> None:
@@ -113,7 +123,7 @@ def check_args(a: EngineArgs) -> None:
             raise ConfigError(f"{name}={getattr(a, name)!r} must be True or False")
     for name in ("max_num_seqs", "block_size", "max_num_batched_tokens", "seed", "max_model_len", "num_blocks",
                  "num_state_slots", "kv_cache_memory", "state_cache_memory", "num_threads", "memory_budget",
-                 "prefix_snapshot_interval", "num_prefix_snapshots"):
+                 "prefix_snapshot_interval", "num_prefix_snapshots", "num_scheduler_steps"):
         v = getattr(a, name)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
             raise ConfigError(f"{name}={v!r} must be an int")
@@ -138,5 +148,14 @@ def check_args(a: EngineArgs) -> None:
                                                    a.prefix_snapshot_interval % a.block_size):
         raise ConfigError(f"prefix_snapshot_interval={a.prefix_snapshot_interval} must be a positive multiple of "
                           f"block_size={a.block_size} (snapshots sit at block boundaries)")
+    if a.num_scheduler_steps < 1:
+        raise ConfigError(f"num_scheduler_steps={a.num_scheduler_steps} must be >= 1 (decode steps per scheduling)")
+    if a.num_scheduler_steps > 1 and n:
+        raise ConfigError(f"num_scheduler_steps={a.num_scheduler_steps} runs several decode steps per scheduling "
+                          f"without drafts; num_spec={n} already emits up to {n + 1} tokens a step: set "
+                          "num_scheduler_steps=1 or num_spec=0")
+    if a.num_scheduler_steps > 1 and a.enforce_eager:
+        raise ConfigError(f"num_scheduler_steps={a.num_scheduler_steps} replays the captured decode graph; "
+                          "enforce_eager=True has none: drop one of them")
     if a.num_prefix_snapshots is not None and a.num_prefix_snapshots < 0:
         raise ConfigError(f"num_prefix_snapshots={a.num_prefix_snapshots} must be >= 0")

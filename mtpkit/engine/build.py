@@ -63,6 +63,7 @@ def build_engine(ckpt: Checkpoint, args: EngineArgs) -> Engine:
                           block_size=a.block_size, load_format=a.load_format)
     tp = tensor_parallel(ckpt, draft, a.tensor_parallel_size, device)
     draft_dtype = resolve_draft_dtype(a, draft, device, dtype, tp.size)
+    check_scheduler_steps(a.num_scheduler_steps, device, tp.size)
     device = tp.rank_device(device)
     ecfg = engine_config(cfg, draft, a)
     # Every cache tensor the model and its drafter declare.
@@ -141,7 +142,19 @@ def engine_config(cfg, draft: DraftSetup | None, a: EngineArgs) -> EngineConfig:
     return EngineConfig(num_spec=a.num_spec, kv_lookahead=draft.kv_lookahead if draft else 0,
                         kv_read_back=draft.kv_read_back if draft else 0, max_num_seqs=a.max_num_seqs,
                         max_model_len=max_model_len, block_size=a.block_size,
-                        max_num_batched_tokens=a.max_num_batched_tokens)
+                        max_num_batched_tokens=a.max_num_batched_tokens, num_scheduler_steps=a.num_scheduler_steps)
+
+
+def check_scheduler_steps(steps: int, device: torch.device, tp_size: int) -> None:
+    """num_scheduler_steps > 1 where it runs (CPU graphs, one process), or a ConfigError."""
+    if steps == 1:
+        return
+    if device.type != "cpu":
+        raise ConfigError(f"num_scheduler_steps={steps} is CPU-only for now (a CUDA graph's replay is asynchronous: "
+                          "the host's work already overlaps it); drop num_scheduler_steps")
+    if tp_size > 1:
+        raise ConfigError(f"num_scheduler_steps={steps} runs in one process only (under tensor parallelism rank 0 "
+                          "decides every step's tokens); drop it or use tensor_parallel_size=1")
 
 
 def resolve_draft_dtype(a: EngineArgs, draft: DraftSetup | None, device: torch.device, dtype: torch.dtype,

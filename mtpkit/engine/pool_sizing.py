@@ -55,7 +55,7 @@ def kv_pool_sizes(spec: CacheSpec, ecfg: EngineConfig, *, full_blocks: int | Non
                 raise ValueError("the full pool's size is needed")
             sizes[pool.name] = full_blocks
             continue
-        steady = ecfg.max_num_seqs * window_demand(pool.sliding_window, ecfg.kv_read_back, ecfg.verify_span,
+        steady = ecfg.max_num_seqs * window_demand(pool.sliding_window, ecfg.kv_read_back, ecfg.decode_span,
                                                    ecfg.block_size)
         chunk = blocks_for(ecfg.max_num_batched_tokens, ecfg.block_size)
         sizes[pool.name] = 1 + min(ecfg.max_num_seqs * ecfg.max_blocks, steady + chunk)

@@ -262,7 +262,28 @@ class ModelRunner:
                 dead[i], emitted[i] = j, j
         return dead
 
+    def _decode_run(self, plan: StepPlan) -> list[ReqResult]:
+        """plan.decode_steps greedy decode steps in a row (num_scheduler_steps; no drafts, every
+        row plain greedy, CPU graphs: the scheduler and the engine's build see to it), each
+        step's tokens the next one's inputs. A row whose logits were not finite at step j keeps
+        the j tokens before it and ends, as it would have one step at a time."""
+        reqs, steps = plan.reqs, plan.decode_steps
+        rows = [UniformRow([r.last_token_id], r.num_computed, [t.ids for t in r.block_tables], r.state_slots,
+                           r.prev_num_emitted) for r in reqs]
+        outcomes = self.graphs.decode(rows, plan.num_reqs_padded, steps)
+        results = []
+        for i, r in enumerate(reqs):
+            res = ReqResult([o[i][0] for o in outcomes], steps, 0, [])
+            bad = next((j for j, o in enumerate(outcomes) if not o[i][2]), None)
+            if bad is not None:
+                res.error = non_finite(r, f"decode step {r.num_steps + bad}", r.num_computed + bad)
+                res.tokens_before_error = bad
+            results.append(res)
+        return results
+
     def _verify(self, plan: StepPlan) -> list[ReqResult]:
+        if plan.decode_steps > 1:
+            return self._decode_run(plan)
         reqs, R, B, k = plan.reqs, plan.num_reqs, plan.bundle, plan.bundle - 1
         n = plan.num_reqs_padded
         limit_list = [min(k, max(r.remaining(self.cfg.max_model_len) - 1, 0)) for r in reqs]

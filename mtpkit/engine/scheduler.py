@@ -60,6 +60,9 @@ class StepPlan:
     # PREFILL: recurrent-state snapshots the step writes, (row in reqs, position within that
     # row's chunk, snapshot id): the state after that token (step.metadata.StateSnapshots).
     snapshots: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    # VERIFY without drafts (EngineConfig.num_scheduler_steps): decode steps run in a row, each
+    # fed the last one's greedy tokens (ModelRunner._decode_run); every request emits that many.
+    decode_steps: int = 1
 
     @property
     def num_reqs(self) -> int:
@@ -334,12 +337,32 @@ class Scheduler:
     def _verify_span(self) -> int:
         return self.cfg.verify_span
 
+    def _decode_steps(self, decoding: list[Request]) -> int:
+        """Decode steps the next verify step of `decoding` runs in a row (num_scheduler_steps):
+        1 unless every request is greedy without controls, logprobs or a grammar (their tokens
+        decide the next step's inputs on the host alone); at most what each request may still
+        emit; with a prefix cache over recurrent state, ending at a request's next block boundary
+        at the latest (only the last step's state is left to snapshot there: _key_blocks)."""
+        steps = self.cfg.num_scheduler_steps
+        if steps == 1 or not all(r.plain_greedy and r.grammar is None for r in decoding):
+            return 1
+        max_len, bs = self.cfg.max_model_len, self.cfg.block_size
+        steps = min(steps, min(r.remaining(max_len) for r in decoding))
+        if self.prefix is not None and self.prefix.stateful:
+            steps = min(steps, min(bs - r.num_computed % bs for r in decoding))
+        return max(steps, 1)
+
     def _schedule_verify(self, decoding: list[Request]) -> StepPlan | None:
+        steps, span = self._decode_steps(decoding), self._verify_span
+        # Blocks for every step of the run, or one step as usual: a run never preempts (the
+        # pools admitted each request for a one-step span; a request alone would preempt itself).
+        if steps > 1 and not all(self._ensure_blocks(r, r.num_computed + steps - 1 + span) for r in decoding):
+            steps = 1
         scheduled = []
         for r in decoding:
             if r.status != Status.RUNNING:
                 continue  # preempted below while making room for an older request
-            while not self._ensure_blocks(r, r.num_computed + self._verify_span):
+            while not self._ensure_blocks(r, r.num_computed + span):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is r:
@@ -348,7 +371,8 @@ class Scheduler:
                 scheduled.append(r)
         if not scheduled:
             return None
-        return StepPlan(StepKind.VERIFY, scheduled, [], self.dispatch(len(scheduled)), self.cfg.bundle)
+        return StepPlan(StepKind.VERIFY, scheduled, [], self.dispatch(len(scheduled)), self.cfg.bundle,
+                        decode_steps=steps)
 
     def _preempt(self, r: Request) -> None:
         self._release(r)
@@ -434,17 +458,26 @@ class Scheduler:
                 if r.in_prefill:
                     continue
                 r.prev_num_emitted = plan.bundle  # prefill leaves state as if the whole bundle was accepted
+            elif plan.decode_steps > 1:   # one token per step, each step's state in the one bundle slot
+                r.num_computed += res.num_emitted
+                self._key_blocks(r, res.emitted, r.num_computed - 1)   # the last step's state is the slot's
+                r.prev_num_emitted = 1
+                r.stats.record(0, 0)
+                r.stats.verify_steps += res.num_emitted - 1
             else:
                 r.num_computed += res.num_emitted
                 self._key_blocks(r, res.emitted, r.num_computed - res.num_emitted)
                 r.prev_num_emitted = res.num_emitted
                 r.stats.record(res.drafted, res.num_emitted - 1)
             r.drafts = res.drafts
-            if self._append(r, res.emitted, plan.kind == StepKind.VERIFY, res.logprobs):
+            if self._append(r, res.emitted, plan.kind == StepKind.VERIFY, res.logprobs, plan.decode_steps > 1):
                 finished.append(r)
         return finished
 
-    def _append(self, r: Request, tokens: list[int], verify: bool, logprobs: list | None = None) -> bool:
+    def _append(self, r: Request, tokens: list[int], verify: bool, logprobs: list | None = None,
+                step_each: bool = False) -> bool:
+        """`step_each`: every token came from a step of its own (decode steps run in a row), else
+        the tokens are one step's (a verify step's accepted drafts, then the target's token)."""
         p = r.params
         # A stop string may end inside the step's tokens (an accepted bundle): the tokens after
         # the one that completes it are dropped.
@@ -458,9 +491,11 @@ class Scheduler:
             self.num_appended += 1
             if r.output_logprobs is not None:   # cut with the tokens: appended one by one
                 r.output_logprobs.append(logprobs[i])
-            # A verify step emits its accepted drafts (positions 1..), then the target's token.
+            if step_each and i:
+                r.num_steps += 1
             r.token_steps.append(r.num_steps - 1)
-            r.token_draft_positions.append(i + 1 if verify and i < len(tokens) - 1 else 0)
+            # A verify step emits its accepted drafts (positions 1..), then the target's token.
+            r.token_draft_positions.append(i + 1 if verify and not step_each and i < len(tokens) - 1 else 0)
             if t in p.stop_token_ids or (not p.ignore_eos and t in r.eos_token_ids) or i == stop_at:
                 return self.finish(r, "stop")
             if len(r.output_token_ids) >= p.max_tokens or r.num_tokens >= self.cfg.max_model_len:

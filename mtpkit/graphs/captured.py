@@ -55,6 +55,7 @@ import dataclasses
 import warnings
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -512,38 +513,82 @@ class CapturedSteps:
         inert padded rows, replay verify[n]: (hidden, logits, greedy outcome, positions,
         token_ids, draft limits) of every row and bundle token, padded ones included."""
         n, B = num_reqs_padded, self.bundle
-        if not 1 <= len(rows) <= n or any(len(r.token_ids) != B for r in rows):
-            raise ValueError(f"{len(rows)} rows of {B} tokens do not fit graph size {n}")
+        self._check_rows(rows, n)
         max_seq_len = max(r.start for r in rows) + B
-        traced = self.trace and not is_debug()
-        if traced:
-            context = self.context_bucket(max_seq_len)
-            uses = self._uses[n, context] = self._uses.get((n, context), 0) + 1
-            traced = uses > self.trace_after
-        if traced:
-            try:
-                verify, _ = self._cpu_graph(n, context)
-            except Exception as e:  # noqa: BLE001 - the direct call below needs no tracer
-                self._trace_failed(e)
-                traced = False
-        buf = self.buf
-        self.controls_outcome = self._processed = None
-        buf.fill(rows, n, B, self.cfg.block_size, draft_limits)
-        if is_debug():   # the builder's metadata (shown in the trace) must be what the buffers hold
-            self._check_fill(rows, n)
+        if not self.cuda:
+            verify, last = self._cpu_verify(n, max_seq_len)
+        self._fill(rows, n, draft_limits)
         if self.cuda:
             self.verify_graphs[n].replay()
             self._last = LastVerify(n, None, self.cfg.max_positions)
             out = self.outputs[n]
         else:
-            if traced:
-                self._last = LastVerify(n, context, context)
-                hidden, logits, greedy = verify(*self._verify_args(n))
-            else:
-                self._last = LastVerify(n, None, max_seq_len)
-                hidden, logits, greedy = self._verify_fn(max_seq_len)(*self._verify_args(n))
+            self._last = last
+            hidden, logits, greedy = verify(*self._verify_args(n))
             out = self.outputs[n] = {"hidden": hidden, "logits": logits, "greedy": greedy}
         return (out["hidden"], out["logits"], out["greedy"]) + self._verify_views(n)
+
+    def _check_rows(self, rows: list[UniformRow], n: int) -> None:
+        if not 1 <= len(rows) <= n or any(len(r.token_ids) != self.bundle for r in rows):
+            raise ValueError(f"{len(rows)} rows of {self.bundle} tokens do not fit graph size {n}")
+
+    def _cpu_verify(self, n: int, max_seq_len: int):
+        """CPU: (the verify graph of size n for sequences up to max_seq_len, or the body called
+        directly, what `propose` must match). A graph is traced here when new, on inert rows:
+        before the buffers are filled."""
+        if self.trace and not is_debug():
+            context = self.context_bucket(max_seq_len)
+            uses = self._uses[n, context] = self._uses.get((n, context), 0) + 1
+            if uses > self.trace_after:
+                try:
+                    return self._cpu_graph(n, context)[0], LastVerify(n, context, context)
+                except Exception as e:  # noqa: BLE001 - the direct call below needs no tracer
+                    self._trace_failed(e)
+        return self._verify_fn(max_seq_len), LastVerify(n, None, max_seq_len)
+
+    def _fill(self, rows: list[UniformRow], n: int, draft_limits: list[int]) -> None:
+        self.controls_outcome = self._processed = None
+        self.buf.fill(rows, n, self.bundle, self.cfg.block_size, draft_limits)
+        if is_debug():   # the builder's metadata (shown in the trace) must be what the buffers hold
+            self._check_fill(rows, n)
+
+    def decode(self, rows: list[UniformRow], num_reqs_padded: int, steps: int) -> list[list[list[int]]]:
+        """CPU, no drafts (bundle 1): `steps` decode steps in a row (EngineConfig.num_scheduler_steps),
+        verify[n] replayed on the buffers `rows` fill, each replay's greedy tokens written into
+        the real rows' inputs for the next with their positions, sequence lengths and slots
+        advanced by one (numpy on the buffers: a few ops per step, where a scheduled step's host
+        work is a few hundred us). The rows' blocks must hold every step's position. Returns each
+        step's greedy outcome of the real rows, [steps][num_reqs][token, 1, finite]. One graph
+        serves the run: the context bucket of its last step."""
+        n, R = num_reqs_padded, len(rows)
+        if self.cuda or self.bundle != 1:
+            raise ValueError("decode runs CPU graphs without drafts (bundle 1)")
+        self._check_rows(rows, n)
+        start = max(r.start for r in rows)
+        verify, last = self._cpu_verify(n, start + steps)
+        self._fill(rows, n, [0] * R)
+        h, bs, args = self.buf.host, self.cfg.block_size, self._verify_args(n)
+        hidden, logits, greedy = verify(*args)
+        outcomes = [greedy.tolist()[:R]]
+        if steps > 1:
+            toks, pos, seq_lens, slots = h["token_ids"][:R], h["positions"][:R], h["seq_lens"][:R], h["slot_mappings"]
+            tables, row_ids = h["block_tables"], np.arange(R)
+            h["prev_num_emitted"][:R] = 1     # each step emitted one token
+            for j in range(1, steps):
+                toks[:] = [o[0] for o in outcomes[-1]]
+                pos += 1
+                seq_lens += 1
+                block, offset = pos // bs, pos % bs
+                for p in range(slots.shape[0]):
+                    slots[p, :R] = tables[p, row_ids, block] * bs + offset
+                if is_debug():
+                    self._check_fill([UniformRow([o[0]], r.start + j, r.block_ids, r.state_slots, 1)
+                                      for o, r in zip(outcomes[-1], rows)], n)
+                hidden, logits, greedy = verify(*args)
+                outcomes.append(greedy.tolist()[:R])
+        self._last = last
+        self.outputs[n] = {"hidden": hidden, "logits": logits, "greedy": greedy}
+        return outcomes
 
     def _check_fill(self, rows: list[UniformRow], n: int) -> None:
         tok, pos, meta = build_uniform(rows, n, self.cfg.block_size, self.cfg.max_blocks, self.device)

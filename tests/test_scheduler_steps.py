@@ -1,0 +1,253 @@
+"""num_scheduler_steps (EngineArgs; CPU graphs, num_spec 0): up to that many decode steps run per
+scheduling, the verify graph replayed in a row with each replay's greedy tokens fed to the next
+on the host's buffers (graphs/captured.CapturedSteps.decode, engine/runner._decode_run). What is
+generated must not change: tokens, texts and finish reasons equal enforce_eager's one step at a
+time, both families, batch 1 and 8, traced graphs and direct calls, with stops inside a run,
+prefix-cache hits after a run (the decode snapshot saved where one step at a time saves it),
+mixed batches (a sampled row runs one step at a time), a pool too small for a run, a row whose
+logits go non-finite inside a run, and several threads. Bad settings are refused before any
+weight is read."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import mtpkit
+from mtpkit import LLM, SamplingParams
+from mtpkit.engine.build import check_scheduler_steps
+from mtpkit.errors import ConfigError
+
+MODELS = ("tiny-qwen3-next", "tiny-gemma4")
+TEXTS = ["def fibonacci(n):", "The capital of", "import torch\n", "1, 2, 3, 5, 8,", "Once upon",
+         "class Node:\n    def", "SELECT * FROM", "# mtpkit"]
+BASE = dict(dtype="float64", max_num_seqs=8, max_model_len=128)
+_LLMS: dict = {}
+
+
+def _llm(name: str, steps: int, mode: str = "traced") -> LLM:
+    """mode: "eager" (enforce_eager, one step at a time: the oracle), "traced" (graphs traced from
+    the first decode step) or "direct" (the bodies called on the static buffers)."""
+    key = (name, steps, mode)
+    if key not in _LLMS:
+        llm = _LLMS[key] = LLM(name, enforce_eager=mode == "eager", num_scheduler_steps=steps, **BASE)
+        if mode != "eager":
+            llm.runner.graphs.trace_after = 0 if mode == "traced" else 10 ** 9
+    return _LLMS[key]
+
+
+def _runs(monkeypatch, llm: LLM) -> list[int]:
+    """The decode_steps of every verify step `llm` runs from now on (in the monkeypatch's scope)."""
+    seen, real = [], llm.runner._verify
+
+    def verify(plan):
+        seen.append(plan.decode_steps)
+        return real(plan)
+    monkeypatch.setattr(llm.runner, "_verify", verify)
+    return seen
+
+
+def _outs(outputs) -> list[tuple]:
+    return [(c.token_ids, c.text, c.finish_reason) for o in outputs for c in o.outputs]
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("steps,mode", [(4, "traced"), (3, "direct")])
+def test_runs_generate_what_one_step_at_a_time_does(monkeypatch, name, steps, mode):
+    eager, llm = _llm(name, 1, "eager"), _llm(name, steps, mode)
+    prompts = [llm.tokenizer.encode(t).ids for t in TEXTS]
+    base = SamplingParams(max_tokens=30, ignore_eos=True)
+    first = eager.generate(prompts[:1], base)[0].outputs[0].token_ids
+    # a stop token that ends request 0 inside a run (its 7th token), a stop string, natural EOS,
+    # max_tokens that are not multiples of the run
+    params = [SamplingParams(max_tokens=30, stop_token_ids=[first[6]], ignore_eos=True),
+              SamplingParams(max_tokens=17), SamplingParams(max_tokens=5, ignore_eos=True),
+              SamplingParams(max_tokens=23, stop=[llm.tokenizer.decode(first[9:11])]),
+              SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=1),
+              SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(max_tokens=31, ignore_eos=True)]
+    for batch in (1, 8):
+        want = _outs(eager.generate(prompts[:batch], params[:batch]))
+        with monkeypatch.context() as m:
+            seen = _runs(m, llm)
+            got = _outs(llm.generate(prompts[:batch], params[:batch]))
+        assert got == want, (name, batch)
+        assert max(seen) == steps and sum(s > 1 for s in seen) >= 2, seen
+    assert got[0][2] == "stop" and got[0][0][-1] == first[6] and len(got[0][0]) <= 7   # stopped inside a run
+    if mode == "traced":
+        assert llm.runner.graphs.verify_graphs
+
+
+def test_a_run_emits_tokens_of_their_own_steps(monkeypatch):
+    """Each token of a run is a step of its own (no draft positions), and the stats count a
+    verify step per token."""
+    llm = _llm("tiny-gemma4", 4)
+    before = llm.stats.verify_steps
+    with monkeypatch.context() as m:
+        seen = _runs(m, llm)
+        out = llm.generate([llm.tokenizer.encode("The capital of").ids],
+                           SamplingParams(max_tokens=21, ignore_eos=True))[0].outputs[0]
+    assert 4 in seen and len(seen) < 20
+    assert out.token_steps == list(range(21)) and out.token_draft_positions == [0] * 21
+    assert llm.stats.verify_steps - before == 20    # the first token is the prefill's
+
+
+def test_prefix_hits_after_a_run_equal_one_step_at_a_time():
+    """Qwen3-Next (recurrent state): a run ends at a block boundary at the latest, where the
+    decode snapshot is saved as one step at a time saves it, so the next turn resumes from the
+    same place (num_cached_tokens) and generates the same tokens."""
+    got = {}
+    for steps in (1, 4):
+        llm = LLM("tiny-qwen3-next", num_scheduler_steps=steps, block_size=4, **BASE)
+        llm.runner.graphs.trace_after = 0
+        prompt = llm.tokenizer.encode("def fibonacci(n):\n").ids
+        sp = SamplingParams(max_tokens=22, ignore_eos=True)
+        first = llm.generate([prompt], sp)[0].outputs[0].token_ids
+        second = llm.generate([prompt + first + prompt], sp)[0]
+        got[steps] = (first, second.outputs[0].token_ids, second.num_cached_tokens)
+        llm.close()
+    assert got[1] == got[4]
+    assert got[4][2] > len(prompt) + 8, "the next turn was meant to hit blocks the first turn's decode keyed"
+
+
+def test_a_sampled_row_runs_one_step_at_a_time(monkeypatch):
+    """A step with a random row (or any row the host must process) runs alone; once that row
+    finishes the greedy rows run in a row again. The seeded row draws what it draws without runs."""
+    one, llm = _llm("tiny-qwen3-next", 1), _llm("tiny-qwen3-next", 4)
+    prompts = [llm.tokenizer.encode(t).ids for t in TEXTS[:3]]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=1.5, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=24, ignore_eos=True, logprobs=None)]
+    want = _outs(one.generate(prompts, params))
+    with monkeypatch.context() as m:
+        seen = _runs(m, llm)
+        got = _outs(llm.generate(prompts, params))
+    assert got == want
+    assert seen[:4] == [1] * 4 and max(seen) == 4, seen
+
+
+def test_a_run_the_pool_cannot_hold_steps_one_at_a_time():
+    """A run takes blocks for all its steps only when the pools have them free, else its step
+    runs alone as usual: a run never preempts (a request alone would preempt itself over and
+    over). Here the pool has no block free; one step fits in the request's last block, a run of
+    4 would need the next."""
+    llm = LLM("tiny-qwen3-next", num_scheduler_steps=4, block_size=4, enable_prefix_caching=False, **BASE)
+    llm.runner.graphs.trace_after = 0
+    prompt = list(range(5, 12))                 # 7 tokens: the first decode step writes position 7, in block 1
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = llm.generate([prompt], sp)[0].outputs[0].token_ids
+    req = llm.add_request(prompt, sp)
+    plans, real = [], llm.scheduler.schedule
+
+    def schedule():
+        plan = real()
+        plans.append(plan)
+        return plan
+    llm.scheduler.schedule = schedule
+    llm.step()                                  # the prefill: blocks 0 and 1 (positions 0..7)
+    assert req.num_computed == 7
+    pool = llm.kv_pools["full"]
+    held = pool.allocate(pool.num_free)         # nothing free
+    llm.step()
+    assert plans[-1].decode_steps == 1 and req.num_preemptions == 0
+    pool.free(held)
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    assert max(p.decode_steps for p in plans) == 4
+    assert req.output_token_ids == want and req.num_preemptions == 0
+
+
+def test_a_row_whose_logits_go_non_finite_inside_a_run_keeps_the_tokens_before():
+    """Row 0's step 2 of a run reports non-finite logits: it ends with an error and the tokens
+    before that step (as one step at a time would have emitted), the other rows go on."""
+    llm = LLM("tiny-gemma4", num_scheduler_steps=4, **BASE)
+    llm.runner.graphs.trace_after = 0
+    prompts = [llm.tokenizer.encode(t).ids for t in TEXTS[:2]]
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    real, runs = llm.runner.graphs.decode, []
+
+    def decode(rows, n, steps):
+        out = real(rows, n, steps)
+        runs.append(steps)
+        if len(runs) == 2 and steps == 4:
+            out[2][0][2] = 0
+        return out
+    llm.runner.graphs.decode = decode
+    got = [o.outputs[0] for o in llm.generate(prompts, sp)]
+    assert runs[1] == 4, runs
+    assert got[0].finish_reason == "error" and "not finite" in got[0].error
+    kept = len(got[0].token_ids)
+    assert 1 + 4 + 2 == kept and got[0].token_ids == want[0][:kept]   # prefill's token, a run, 2 steps
+    assert got[1].token_ids == want[1] and got[1].finish_reason == "length"
+
+
+class _NotAdvanced(np.ndarray):
+    """A planted fault: `+=` leaves the array as it was."""
+
+    def __iadd__(self, other):
+        return self
+
+
+def test_debug_mode_checks_every_step_of_a_run(monkeypatch):
+    """Under mtpkit.debug() each step of a run checks the buffers against the metadata builder
+    (a wrong advance is caught), and the tokens stay the same."""
+    llm = _llm("tiny-qwen3-next", 3, "direct")
+    prompts = [llm.tokenizer.encode(t).ids for t in TEXTS[:2]]
+    sp = SamplingParams(max_tokens=9, ignore_eos=True)
+    want = _outs(_llm("tiny-qwen3-next", 1, "eager").generate(prompts, sp))
+    with mtpkit.debug():
+        assert _outs(llm.generate(prompts, sp)) == want
+        host = llm.runner.graphs.buf.host   # the same memory, seq_lens not advanced
+        monkeypatch.setitem(host, "seq_lens", host["seq_lens"].view(_NotAdvanced))
+        with pytest.raises(AssertionError, match="seq_lens"):
+            llm.generate(prompts, sp)
+
+
+def test_callers_on_threads_get_what_they_get_alone():
+    llm = _llm("tiny-gemma4", 4)
+    prompts = [llm.tokenizer.encode(t).ids for t in TEXTS]
+    sp = [SamplingParams(max_tokens=10 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    want = [_outs(llm.generate([p], s)) for p, s in zip(prompts, sp)]
+    got, errors = [None] * len(prompts), []
+
+    def call(i):
+        try:
+            got[i] = _outs(llm.generate([prompts[i]], sp[i]))
+        except Exception as e:   # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and got == want
+
+
+def test_a_stream_reports_a_run_at_once():
+    llm = _llm("tiny-qwen3-next", 4)
+    prompt = llm.tokenizer.encode("Once upon").ids
+    sp = SamplingParams(max_tokens=25, ignore_eos=True)
+    events = list(llm.stream(prompt, sp))
+    assert "".join(e.delta for e in events) == events[-1].output.outputs[0].text
+    assert len(events[-1].output.outputs[0].token_ids) == 25 and len(events) < 15
+
+
+@pytest.mark.parametrize("kw,problem", [
+    (dict(num_scheduler_steps=0), "must be >= 1"),
+    (dict(num_scheduler_steps=2.0), "must be an int"),
+    (dict(num_scheduler_steps=4, num_spec=3), "set num_scheduler_steps=1 or num_spec=0"),
+    (dict(num_scheduler_steps=4, enforce_eager=True), "enforce_eager=True has none"),
+])
+def test_bad_settings_are_refused_before_any_weight_is_read(kw, problem):
+    with pytest.raises(ConfigError, match=problem):
+        LLM("tiny-qwen3-next", **kw)
+
+
+def test_cuda_and_tensor_parallelism_are_refused():
+    check_scheduler_steps(4, torch.device("cpu"), 1)
+    with pytest.raises(ConfigError, match="CPU-only"):
+        check_scheduler_steps(4, torch.device("cuda"), 1)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=1"):
+        check_scheduler_steps(4, torch.device("cpu"), 2)
+    check_scheduler_steps(1, torch.device("cuda"), 2)
