@@ -39,6 +39,9 @@ engine per num_spec whose decode graphs are compiled (in the warm-up, `compile_a
 x the traced engine of the same num_spec. `--draft-dtype bfloat16` adds, beside each of them, the
 same compiled engine with its drafter in bfloat16 (LLM(draft_dtype=...)), rows "... draft bfloat16"
 (num_spec 0 has no drafter: none), alternated like the others; outputs must stay identical.
+`--scheduler-steps N` adds mtpkit without drafts running up to N decode steps per scheduling
+(LLM(num_scheduler_steps=N)): a row "mtpkit num_spec=0 N steps" (traced), and with --compile one
+"mtpkit num_spec=0 MODE N steps", alternated like the others.
 """
 
 import argparse
@@ -152,6 +155,8 @@ def main():
                         "blocks, which the other engines prefill again (not a like-for-like comparison)")
     p.add_argument("--draft-dtype", default=None, help="also run each compiled engine with num_spec > 0 with "
                    "its drafter in this dtype (LLM(draft_dtype=...); needs --compile)")
+    p.add_argument("--scheduler-steps", type=int, default=None,
+                   help="also run mtpkit without drafts at LLM(num_scheduler_steps=N), traced (and compiled)")
     p.add_argument("--llamacpp-drafts", type=int, default=llamacpp_client.NUM_DRAFTS,
                    help="llama.cpp's draft length in MTP mode")
     args = p.parse_args()
@@ -170,6 +175,11 @@ def main():
         engines.update({("d", k): LLM(path, num_spec=k, compile=args.compile, compile_after=0,
                                       draft_dtype=args.draft_dtype, **common)
                         for k in (args.compile_spec or range(args.max_spec + 1)) if k})
+    if args.scheduler_steps:   # keys ("s", 0) traced, ("cs", 0) compiled: num_spec 0, decode runs
+        engines["s", 0] = LLM(path, num_scheduler_steps=args.scheduler_steps, **common)
+        if args.compile:
+            engines["cs", 0] = LLM(path, compile=args.compile, compile_after=0,
+                                   num_scheduler_steps=args.scheduler_steps, **common)
     for llm in engines.values():  # long-lived engines: CPU graphs traced on first use (graphs.captured)
         llm.runner.graphs.trace_after = 0
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
@@ -206,6 +216,7 @@ def main():
         ref = results["transformers"]
         print(f"\nbatch {batch}:")
         lc = "llama.cpp" if "llama.cpp" in fns else None
+        lb = min(stats, key=lambda k: statistics.median(times[k])) if stats else None   # llama.cpp's best mode
         print(f"  {'engine':<42} {'tok/s':>8} {'x transformers':>14} {'x mtpkit k=0':>12} "
               f"{'x llama.cpp' if lc else '':>11} {'mean acc len':>12} {'same tokens':>11}")
         for name in fns:
@@ -215,6 +226,9 @@ def main():
                 label = f"{name} {args.llamacpp_drafts} drafts" if name != "llama.cpp" else "llama.cpp f32"
             elif isinstance(name, str):
                 label = name if name == "transformers" else f"transformers assisted k={name[2:]}"
+            elif isinstance(name, tuple) and name[0] in ("s", "cs"):
+                label = f"mtpkit num_spec=0{' ' + args.compile if name[0] == 'cs' else ''} " \
+                        f"{args.scheduler_steps} steps"
             elif isinstance(name, tuple):
                 label = f"mtpkit num_spec={name[1]} {args.compile}" + (f" draft {args.draft_dtype}"
                                                                        if name[0] == "d" else "")
@@ -237,11 +251,20 @@ def main():
                 hb = min(hf_best, key=lambda k: statistics.median(times[k]))
                 line += f", {ratio(times, best, hb):.2f}x transformers' best assisted (k={hb[2:]})"
             if lc:
-                lb = min(stats, key=lambda k: statistics.median(times[k]))
                 line += (f", {ratio(times, best, lb):.2f}x llama.cpp's best ({lb}); mtpkit without "
                          f"drafts {ratio(times, 0, lb):.2f}x")
             print(line)
-        compiled = [k for k in fns if isinstance(k, tuple)]
+        runs = [k for k in fns if isinstance(k, tuple) and k[0] in ("s", "cs")]
+        if runs:
+            line = f"  {args.scheduler_steps} decode steps per scheduling x one: " + ", ".join(
+                f"{'traced' if c == 's' else args.compile} {ratio(times, (c, 0), 0 if c == 's' else ('c', 0)):.2f}"
+                for c, _ in runs if c == "s" or ("c", 0) in times)
+            if lc:
+                line += "; x llama.cpp's best: " + ", ".join(
+                    f"{'traced' if c == 's' else args.compile} {ratio(times, (c, 0), lb):.2f}"
+                    for c, _ in runs)
+            print(line)
+        compiled = [k for k in fns if isinstance(k, tuple) and k[0] in ("c", "d")]
         if compiled and ours:
             same = [k for c, k in compiled if c == "c" and k in times]   # a compiled num_spec above --max-spec has no traced twin
             if same:

@@ -4,7 +4,7 @@ CapturedSteps wrapped in place."""
 
 import time
 
-GRAPH_DICTS = ("verify_graphs", "propose_graphs", "prefill_graphs", "prefill_proposal_graphs", "control_graphs",
+GRAPH_DICTS = ("verify_graphs", "decode_graphs", "propose_graphs", "prefill_graphs", "prefill_proposal_graphs", "control_graphs",
                "sample_graphs")
 
 

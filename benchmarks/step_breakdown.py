@@ -194,7 +194,9 @@ def _planned(plan) -> None:
 
 def _graph_phase(name: str) -> str:
     # graphs/captured.py names its traces verify_{n}_{context}, propose_..., prefill_proposal_...
-    return {"verify": "verify graph", "propose": "propose graph"}.get(name.split("_")[0], "prefill proposal graph")
+    # decode_{n}_{context}: the verify body that advances its own inputs (decode runs, num_scheduler_steps)
+    return {"verify": "verify graph", "decode": "verify graph", "propose": "propose graph"}.get(
+        name.split("_")[0], "prefill proposal graph")
 
 
 def _traced(trace):
@@ -226,6 +228,7 @@ def _patches(graphs_only: bool = False) -> list[tuple[object, str, object]]:
     out.append((Scheduler, "schedule", timed(Scheduler.schedule, "schedule", after=_planned)))
     for owner, attr, phase in [
         (CapturedSteps, "verify", "metadata"), (CapturedSteps, "propose", "metadata"),
+        (CapturedSteps, "decode", "metadata"),                 # a run's fill and its advances between replays
         (ModelRunner, "_sampling", "sampling"),
         (runner_module, "rejection_sample", "rejection"),     # the name the runner calls
         (Scheduler, "update", "bookkeeping"), (Scheduler, "_append", "bookkeeping"),
@@ -284,9 +287,11 @@ class Config:
     batch: int
     num_spec: int
     compile: str | None = None      # LLM(compile=...): the graphs compiled (in the warm-up), else traced
+    steps: int = 1                  # LLM(num_scheduler_steps=...): decode steps per scheduling (num_spec 0)
 
     def __str__(self) -> str:
-        return f"{self.model} batch {self.batch} num_spec {self.num_spec}" + (f" {self.compile}" if self.compile else "")
+        return (f"{self.model} batch {self.batch} num_spec {self.num_spec}" + (f" {self.compile}" if self.compile else "")
+                + (f" {self.steps} steps" if self.steps > 1 else ""))
 
 
 @dataclasses.dataclass
@@ -346,7 +351,8 @@ class Breakdown:
 
 def build(config: Config, max_num_seqs: int) -> LLM:
     kw = {} if config.compile is None else dict(compile=config.compile, compile_after=0)
-    llm = LLM(config.model, num_spec=config.num_spec, dtype="float32", max_num_seqs=max_num_seqs, num_threads=1, **kw)
+    llm = LLM(config.model, num_spec=config.num_spec, dtype="float32", max_num_seqs=max_num_seqs, num_threads=1,
+              num_scheduler_steps=config.steps, **kw)
     llm.runner.graphs.trace_after = 0   # long-lived engine: CPU graphs traced (and compiled) on first use
     return llm
 
@@ -354,7 +360,7 @@ def build(config: Config, max_num_seqs: int) -> LLM:
 def graph_count(llm: LLM) -> int:
     """The engine's graphs traced so far, and compiled (a compiled graph keeps its trace's key)."""
     g = llm.runner.graphs
-    traced = sum(len(d) for d in (g.verify_graphs, g.propose_graphs, g.prefill_graphs, g.prefill_proposal_graphs,
+    traced = sum(len(d) for d in (g.verify_graphs, g.decode_graphs, g.propose_graphs, g.prefill_graphs, g.prefill_proposal_graphs,
                                   g.control_graphs, g.sample_graphs))
     return traced + (len(g.compiler.records) if g.compiler is not None else 0)
 
@@ -608,6 +614,9 @@ def main(argv=None) -> int:
     p.add_argument("--compile", choices=COMPILE_MODES, nargs="+", default=[],
                    help="also these LLM(compile=...) modes: each configuration once traced and once per mode "
                         "(graphs compiled in the warm-up; aot packages come from their cache when warm)")
+    p.add_argument("--scheduler-steps", type=int, nargs="+", default=[1],
+                   help="LLM(num_scheduler_steps=...) values: num_spec 0 configurations once per value (a step "
+                        "then runs up to that many decode steps in a row)")
     p.add_argument("--no-stop", action="store_true", help="no stop string (the stop checks do not run)")
     p.add_argument("--profile", action="store_true", help="cProfile one configuration instead")
     p.add_argument("--model", default="tiny-qwen3-next", help="--profile: the model")
@@ -617,11 +626,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     stop = not args.no_stop
     if args.profile:
-        profile(Config(args.model, args.batch, args.num_spec, (args.compile or [None])[0]), prompts=args.prompts, prompt_len=args.prompt_len,
+        profile(Config(args.model, args.batch, args.num_spec, (args.compile or [None])[0],
+                       args.scheduler_steps[0] if args.num_spec == 0 else 1), prompts=args.prompts, prompt_len=args.prompt_len,
                 max_tokens=args.max_tokens, rounds=args.rounds, top=args.top, stop=stop)
         return 0
-    configs = [Config(m, b, k, mode) for m in args.models for b in args.batches for k in args.specs
-               for mode in [None, *args.compile]]
+    configs = [Config(m, b, k, mode, n) for m in args.models for b in args.batches for k in args.specs
+               for mode in [None, *args.compile] for n in (args.scheduler_steps if k == 0 else [1])]
     print(f"step breakdown: {args.prompts} held-out prompts of {args.prompt_len} tokens x {args.max_tokens} tokens "
           f"per run, greedy, float32, 1 thread, stop string {'on (never matches)' if stop else 'off'}; "
           f"{args.rounds} timed rounds after a warm-up, each running every configuration once")

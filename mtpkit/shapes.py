@@ -51,6 +51,7 @@ DIMS: dict[str, str] = {
     "live_outcome": "a step's outcome with a live flag per bundle position (sampling/rejection.sampled_verify, "
                     "controlled_greedy_verify): outcome's columns, then bundle flags, 1 where the processed logits "
                     "leave some token: 3 * bundle + 1",
+    "decode_steps": "decode steps of a run (EngineConfig.num_scheduler_steps): rows of its outcome history",
     "num_tokens": "query tokens in a step (prefill: ragged sum; verify: num_reqs_padded*bundle)",
     "num_logits": "positions whose logits are computed in a step",
     "seq_len": "tokens of one sequence (score, prompts)",

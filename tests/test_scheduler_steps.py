@@ -10,7 +10,6 @@ weight is read."""
 
 import threading
 
-import numpy as np
 import pytest
 import torch
 
@@ -74,8 +73,8 @@ def test_runs_generate_what_one_step_at_a_time_does(monkeypatch, name, steps, mo
         assert got == want, (name, batch)
         assert max(seen) == steps and sum(s > 1 for s in seen) >= 2, seen
     assert got[0][2] == "stop" and got[0][0][-1] == first[6] and len(got[0][0]) <= 7   # stopped inside a run
-    if mode == "traced":
-        assert llm.runner.graphs.verify_graphs
+    if mode == "traced":   # the runs replayed traces (a failed trace turns tracing off)
+        assert llm.runner.graphs.decode_graphs and llm.runner.graphs.trace
 
 
 def test_a_run_emits_tokens_of_their_own_steps(monkeypatch):
@@ -182,24 +181,26 @@ def test_a_row_whose_logits_go_non_finite_inside_a_run_keeps_the_tokens_before()
     assert got[1].token_ids == want[1] and got[1].finish_reason == "length"
 
 
-class _NotAdvanced(np.ndarray):
-    """A planted fault: `+=` leaves the array as it was."""
-
-    def __iadd__(self, other):
-        return self
-
-
 def test_debug_mode_checks_every_step_of_a_run(monkeypatch):
-    """Under mtpkit.debug() each step of a run checks the buffers against the metadata builder
-    (a wrong advance is caught), and the tokens stay the same."""
+    """Under mtpkit.debug() each step of a run checks the buffers the decode graph advanced against
+    the metadata builder (a wrong advance is caught), and the tokens stay the same."""
     llm = _llm("tiny-qwen3-next", 3, "direct")
     prompts = [llm.tokenizer.encode(t).ids for t in TEXTS[:2]]
     sp = SamplingParams(max_tokens=9, ignore_eos=True)
     want = _outs(_llm("tiny-qwen3-next", 1, "eager").generate(prompts, sp))
     with mtpkit.debug():
         assert _outs(llm.generate(prompts, sp)) == want
-        host = llm.runner.graphs.buf.host   # the same memory, seq_lens not advanced
-        monkeypatch.setitem(host, "seq_lens", host["seq_lens"].view(_NotAdvanced))
+        graphs, real = llm.runner.graphs, llm.runner.graphs._decode_fn
+
+        def not_advancing_seq_lens(max_seq_len):   # a planted fault
+            decode = real(max_seq_len)
+
+            def run(*args):
+                out = decode(*args)
+                args[3].sub_(1)
+                return out
+            return run
+        monkeypatch.setattr(graphs, "_decode_fn", not_advancing_seq_lens)
         with pytest.raises(AssertionError, match="seq_lens"):
             llm.generate(prompts, sp)
 
@@ -251,3 +252,67 @@ def test_cuda_and_tensor_parallelism_are_refused():
     with pytest.raises(ConfigError, match="tensor_parallel_size=1"):
         check_scheduler_steps(4, torch.device("cpu"), 2)
     check_scheduler_steps(1, torch.device("cuda"), 2)
+
+
+def _advance_case(g, n: int, R: int, pools: int, bs: int, max_blocks: int):
+    """Real rows 0..R-1 at random positions (some at a block's last slot, one whose next position
+    is past its table: a run's last step) with random blocks, padded rows after (inert)."""
+    from mtpkit.step.metadata import UniformRow, padded_row
+    rows = []
+    for i in range(R):
+        start = int(torch.randint(0, max_blocks * bs - 1, (1,), generator=g))
+        if i == 0:
+            start = max_blocks * bs - 1                        # its next position has no block
+        elif i == 1:
+            start = bs * 2 - 1                                 # the next position starts a block
+        held = start // bs + 1 + (i % 2 and start // bs + 1 < max_blocks)
+        ids = [[int(b) for b in torch.randint(1, 50, (held,), generator=g)] for _ in range(pools)]
+        rows.append(UniformRow([int(torch.randint(0, 100, (1,), generator=g))], start, ids, [i + 1], 1))
+    return rows + [padded_row(1, 1, pools)] * (n - R)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")   # torch.jit.trace's, as graphs/captured.py hides it
+@pytest.mark.parametrize("mode", ["eager", "traced", "aot"])
+def test_the_decode_advance_is_the_next_steps_metadata(tmp_path, mode):
+    """step.metadata.advance_decode (what the decode graph runs after the verify body) leaves in
+    the buffers what build_uniform gives for the rows one token further (the greedy tokens, each
+    row's next position, sequence length and slots from its blocks; padded rows in the null block),
+    keeps the outcome at history[step] and counts the step; traced, and compiled for real by
+    AOTInductor as LLM(compile="aot") compiles the decode graph (seconds: this part alone)."""
+    from mtpkit.graphs.compiled import Compiler
+    from mtpkit.step.metadata import UniformRow, advance_decode, build_uniform
+    n, R, pools, bs, max_blocks, steps = 6, 4, 2, 4, 5, 3
+    g = torch.Generator().manual_seed(11)
+
+    def fn(greedy, token_ids, positions, slot_mappings, seq_lens, block_tables, history, step):
+        advance_decode(greedy, token_ids, positions, slot_mappings, seq_lens, block_tables, history, step, bs)
+        return token_ids + 0   # (a graph returns something)
+
+    def buffers(rows):
+        tok, pos, meta = build_uniform(rows, n, bs, max_blocks, "cpu")
+        return [tok, pos, meta.slot_mappings.clone(), meta.seq_lens.clone(), meta.block_tables.clone()]
+
+    rows = _advance_case(g, n, R, pools, bs, max_blocks)
+    greedy = torch.stack([torch.randint(0, 100, (n,), generator=g), torch.ones(n, dtype=torch.int64),
+                          torch.ones(n, dtype=torch.int64)], dim=1)
+    example = buffers(rows[:R]) + [torch.zeros(steps, n, 3, dtype=torch.int64), torch.tensor([1])]
+    run = {"eager": lambda: fn, "traced": lambda: torch.jit.trace(fn, (greedy, *example), check_trace=False),
+           "aot": lambda: Compiler("aot", [torch.nn.Linear(1, 1)], cache_dir=tmp_path).compile(
+               fn, (greedy, *example), "advance_test")}[mode]()
+    for trial in range(3):
+        rows = _advance_case(g, n, R, pools, bs, max_blocks)
+        greedy[:, 0] = torch.randint(0, 100, (n,), generator=g)
+        bufs = buffers(rows[:R]) + [torch.zeros(steps, n, 3, dtype=torch.int64), torch.tensor([trial])]
+        run(greedy, *bufs)
+        nxt = [UniformRow([int(t)], r.start + 1, r.block_ids, r.state_slots, 1)
+               for t, r in zip(greedy[:R, 0].tolist(), rows[:R])]
+        want = buffers(nxt[1:])                                # row 0's next position has no block
+        got = [b[..., 1:R] if b.dim() < 3 else b[:, 1:R] for b in bufs[:5]]
+        want = [w[..., :R - 1] if w.dim() < 3 else w[:, :R - 1] for w in want]
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (trial, got, want)
+        assert bufs[0][0] == greedy[0, 0] and bufs[1][0] == rows[0].start + 1
+        last = [rows[0].block_ids[p][-1] for p in range(pools)]   # clamped to the table's last column
+        assert bufs[2][:, 0].tolist() == [b * bs + (rows[0].start + 1) % bs for b in last]
+        # padded rows: one position further, still in the null block
+        assert bufs[1][R:].tolist() == [1] * (n - R) and bufs[2][:, R:].tolist() == [[1] * (n - R)] * pools
+        assert torch.equal(bufs[5][trial], greedy) and not bufs[5][trial + 1:].any() and int(bufs[6]) == trial + 1

@@ -66,9 +66,9 @@ class EngineArgs:
     that say so (DraftSetup.own_dtype: the MTP head, the Gemma 4 assistant), one process (no
     tensor parallelism), weights not kept in FP8.
     num_scheduler_steps (CPU graphs, num_spec=0, opt-in; vLLM's name): up to this many decode
-    steps run per scheduling, the verify graph replayed that many times in a row, each replay
-    fed the last one's greedy tokens on the host's buffers (graphs/captured.CapturedSteps.decode),
-    so the scheduling, metadata and bookkeeping around a step are paid once for several tokens.
+    steps run per scheduling, a decode graph replayed that many times in a row, each replay
+    writing the next one's inputs itself (graphs/captured.CapturedSteps.decode), so the
+    scheduling, metadata and bookkeeping around a step are paid once for several tokens.
     Only steps whose every request is greedy without controls, logprobs or a grammar run so
     (others run one step at a time); a run stops at a request's max_tokens / max_model_len and,
     with a prefix cache over recurrent state, at its next block boundary (whose state snapshot

@@ -61,7 +61,7 @@ class StepPlan:
     # row's chunk, snapshot id): the state after that token (step.metadata.StateSnapshots).
     snapshots: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     # VERIFY without drafts (EngineConfig.num_scheduler_steps): decode steps run in a row, each
-    # fed the last one's greedy tokens (ModelRunner._decode_run); every request emits that many.
+    # fed the last one's greedy tokens by the graph (ModelRunner._decode_run); every request emits that many.
     decode_steps: int = 1
 
     @property

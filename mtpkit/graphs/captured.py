@@ -25,6 +25,10 @@ writes its outcome into the proposal's inputs as verify[n] does for greedy steps
 traced like the others; on CUDA the body is called on the static buffers, uncaptured (see
 `sample`). Rejection sampling runs eager (engine/runner.py) only for rows under a grammar or a
 multi-token bad word, whose masks are applied on the host.
+Without drafts, with num_scheduler_steps > 1 (CPU), a decode run replays decode[n, context]: the
+verify body, then step.metadata.advance_decode writing the step's greedy outcome into a history
+buffer and the next step's inputs over the rows' own (tokens, positions, sequence lengths, slots),
+so a run of steps is one fill, the replays back to back and one read-back (`decode`).
 A proposal with grammar masks (structured outputs' constrained rows: each pass's mask needs the
 previous pass's drafts on the host) calls the propose body directly on the same buffers.
 On CPU, a prefill step of one chunk (state snapshots included) replays the prefill body, the
@@ -55,11 +59,10 @@ import dataclasses
 import warnings
 from typing import NamedTuple, Protocol
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mtpkit.step.metadata import PrefillMetadata, UniformRow, build_uniform
+from mtpkit.step.metadata import PrefillMetadata, UniformRow, advance_decode, build_uniform
 from mtpkit.config import EngineConfig
 from mtpkit.step.cache import CacheTensors
 from mtpkit.sampling.controls import NEUTRAL_FLOATS, NEUTRAL_INTS, ControlInputs
@@ -145,6 +148,10 @@ class StaticBuffers:
     emitted: Tensor          # [max_reqs * bundle]  (propose: what the verify step emitted, per row)
     num_emitted: Tensor      # [max_reqs]           (propose: how many)
     draft_limit: Tensor      # [max_reqs]           (verify: drafts each row may accept; padded rows 0)
+    # decode runs (num_scheduler_steps; bundle 1): each replay's greedy outcome, and the run's
+    # step the decode graph writes next (it counts itself; the host zeroes it before a run)
+    history: Tensor          # [decode_steps, max_reqs, 3]
+    decode_step: Tensor      # [1]
     # The host side `fill` writes: numpy views of these tensors (CPU) or of pinned host copies
     # of the verify fields (CUDA, copied over per field); and per pool and row, the block ids
     # its table row holds (unwritten while they stay the same; what a shorter row must clear).
@@ -157,12 +164,14 @@ class StaticBuffers:
               "prev_num_emitted", "draft_limit")
 
     @classmethod
-    def allocate(cls, max_reqs: int, bundle: int, max_blocks: int, pools: int, device) -> "StaticBuffers":
+    def allocate(cls, max_reqs: int, bundle: int, max_blocks: int, pools: int, device,
+                 decode_steps: int = 1) -> "StaticBuffers":
         def zeros(*shape):
             return torch.zeros(*shape, dtype=torch.int64, device=device)
         n = max_reqs * bundle
         buf = cls(zeros(n), zeros(n), zeros(pools, n), zeros(max_reqs), zeros(pools, max_reqs, max_blocks),
-                  zeros(max_reqs, bundle), zeros(max_reqs), zeros(n), zeros(max_reqs), zeros(max_reqs))
+                  zeros(max_reqs, bundle), zeros(max_reqs), zeros(n), zeros(max_reqs), zeros(max_reqs),
+                  zeros(decode_steps, max_reqs, 2 * bundle + 1), zeros(1))
         buf.make_inert(max_reqs, bundle)
         cpu = torch.device(device).type == "cpu"
         for name in cls.FILLED:
@@ -170,6 +179,8 @@ class StaticBuffers:
             if not cpu:
                 t = buf.pinned[name] = t.cpu().pin_memory()
             buf.host[name] = t.numpy()
+        if cpu:   # (decode runs are CPU-only)
+            buf.host["decode_step"] = buf.decode_step.numpy()
         return buf
 
     def make_inert(self, n: int, bundle: int) -> None:
@@ -292,12 +303,13 @@ class CapturedSteps:
         self.bodies, self.cache, self.cfg, self.plan = bodies, cache, ecfg, plan
         self.device, self.bundle = device, ecfg.bundle
         self.buf = StaticBuffers.allocate(plan.sizes[-1], self.bundle, ecfg.max_blocks, len(cache.pool_windows),
-                                          device)
+                                          device, ecfg.num_scheduler_steps)
         self.cuda = device.type == "cuda"
         # CPU graphs are traced unless the trace would leave something out (Bodies.traceable).
         self.trace = not self.cuda and bodies.traceable
         self.trace_after = CPU_TRACE_AFTER
         self.verify_graphs: dict = {}     # CUDA: n -> graph; CPU: (n, context) -> traced function
+        self.decode_graphs: dict = {}     # CPU: (n, context) -> traced decode body (`decode`)
         self.propose_graphs: dict = {}
         self.outputs: dict[int, dict[str, Tensor]] = {}
         self.pool = None
@@ -344,6 +356,22 @@ class CapturedSteps:
                 num_emitted.copy_(greedy[:, B])
             return hidden, logits, greedy
         return verify
+
+    def _decode_fn(self, max_seq_len: int):
+        """Decode runs (bundle 1, no drafter): the verify body, then its greedy outcome stored at
+        the run's step in `history` (the two arguments after the verify inputs: history [steps, n,
+        3], decode_step [1], which it advances) and the next replay's inputs written over the
+        rows' (step.metadata.advance_decode): no host work between two replays."""
+        n_in, bs = VERIFY_INPUTS, self.cfg.block_size
+
+        def decode(*args):
+            token_ids, positions, slot_mappings, seq_lens, block_tables = args[:5]
+            hidden, logits, greedy = self.bodies.verify(max_seq_len, *args[:n_in],
+                                                        self.cache.with_tensors(args[n_in + 2:]))
+            advance_decode(greedy, token_ids, positions, slot_mappings, seq_lens, block_tables, args[n_in],
+                           args[n_in + 1], bs)
+            return hidden, logits, greedy
+        return decode
 
     def _controls_fn(self):
         """The controls body, then its greedy outcome written into the proposal's inputs (the last
@@ -400,6 +428,14 @@ class CapturedSteps:
         if args is None:
             B, buf = self.bundle, self.buf
             args = self._args["verify", n] = buf.verify_inputs(n, B) + (buf.emitted[:n * B], buf.num_emitted[:n]) \
+                + self._cache_tensors()
+        return args
+
+    def _decode_args(self, n: int) -> tuple[Tensor, ...]:
+        args = self._args.get(("decode", n))
+        if args is None:
+            buf = self.buf
+            args = self._args["decode", n] = buf.verify_inputs(n, 1) + (buf.history[:, :n], buf.decode_step) \
                 + self._cache_tensors()
         return args
 
@@ -552,43 +588,52 @@ class CapturedSteps:
         if is_debug():   # the builder's metadata (shown in the trace) must be what the buffers hold
             self._check_fill(rows, n)
 
+    def _cpu_decode(self, n: int, max_seq_len: int):
+        """CPU: the decode graph (`_decode_fn`) of size n for sequences up to max_seq_len, or the
+        body called directly; traced when new as `_cpu_verify`'s graphs are (on inert rows,
+        before the buffers are filled)."""
+        if self.trace and not is_debug():
+            context = self.context_bucket(max_seq_len)
+            key = ("decode", n, context)
+            uses = self._uses[key] = self._uses.get(key, 0) + 1
+            if uses > self.trace_after:
+                try:
+                    if (n, context) not in self.decode_graphs:
+                        self.buf.make_inert(n, self.bundle)
+                        self.decode_graphs[n, context] = self._trace(self._decode_fn(context), self._decode_args(n),
+                                                                     f"decode_{n}_{context}")
+                    return self.decode_graphs[n, context], LastVerify(n, context, context)
+                except Exception as e:  # noqa: BLE001 - the direct call below needs no tracer
+                    self._trace_failed(e)
+        return self._decode_fn(max_seq_len), LastVerify(n, None, max_seq_len)
+
     def decode(self, rows: list[UniformRow], num_reqs_padded: int, steps: int) -> list[list[list[int]]]:
-        """CPU, no drafts (bundle 1): `steps` decode steps in a row (EngineConfig.num_scheduler_steps),
-        verify[n] replayed on the buffers `rows` fill, each replay's greedy tokens written into
-        the real rows' inputs for the next with their positions, sequence lengths and slots
-        advanced by one (numpy on the buffers: a few ops per step, where a scheduled step's host
-        work is a few hundred us). The rows' blocks must hold every step's position. Returns each
-        step's greedy outcome of the real rows, [steps][num_reqs][token, 1, finite]. One graph
-        serves the run: the context bucket of its last step."""
+        """CPU, no drafts (bundle 1): `steps` decode steps in a row (EngineConfig.num_scheduler_steps):
+        the buffers filled with `rows` once, then the decode graph (`_decode_fn`) replayed `steps`
+        times, each replay writing the next one's inputs itself and its outcome into the history,
+        read back once at the end: no host work between the replays but the calls. The rows'
+        blocks must hold every step's position. Returns each step's greedy outcome of the real
+        rows, [steps][num_reqs][token, 1, finite]. One graph serves the run: the context bucket
+        of its last step. In debug mode every step's buffers are checked against build_uniform."""
         n, R = num_reqs_padded, len(rows)
-        if self.cuda or self.bundle != 1:
-            raise ValueError("decode runs CPU graphs without drafts (bundle 1)")
+        if self.cuda or self.bundle != 1 or steps > self.buf.history.shape[0]:
+            raise ValueError(f"decode runs CPU graphs without drafts (bundle 1) of at most "
+                             f"{self.buf.history.shape[0]} steps (num_scheduler_steps)")
         self._check_rows(rows, n)
-        start = max(r.start for r in rows)
-        verify, last = self._cpu_verify(n, start + steps)
+        self.buf.host["decode_step"][0] = 0   # (a trace made now runs the body once: within the history too)
+        decode, last = self._cpu_decode(n, max(r.start for r in rows) + steps)
         self._fill(rows, n, [0] * R)
-        h, bs, args = self.buf.host, self.cfg.block_size, self._verify_args(n)
-        hidden, logits, greedy = verify(*args)
-        outcomes = [greedy.tolist()[:R]]
-        if steps > 1:
-            toks, pos, seq_lens, slots = h["token_ids"][:R], h["positions"][:R], h["seq_lens"][:R], h["slot_mappings"]
-            tables, row_ids = h["block_tables"], np.arange(R)
-            h["prev_num_emitted"][:R] = 1     # each step emitted one token
-            for j in range(1, steps):
-                toks[:] = [o[0] for o in outcomes[-1]]
-                pos += 1
-                seq_lens += 1
-                block, offset = pos // bs, pos % bs
-                for p in range(slots.shape[0]):
-                    slots[p, :R] = tables[p, row_ids, block] * bs + offset
-                if is_debug():
-                    self._check_fill([UniformRow([o[0]], r.start + j, r.block_ids, r.state_slots, 1)
-                                      for o, r in zip(outcomes[-1], rows)], n)
-                hidden, logits, greedy = verify(*args)
-                outcomes.append(greedy.tolist()[:R])
+        self.buf.host["decode_step"][0] = 0
+        args = self._decode_args(n)
+        for j in range(steps):
+            if j and is_debug():
+                tokens = self.buf.history[j - 1, :R, 0].tolist()
+                self._check_fill([UniformRow([t], r.start + j, r.block_ids, r.state_slots, 1)
+                                  for t, r in zip(tokens, rows)], n)
+            hidden, logits, greedy = decode(*args)
         self._last = last
         self.outputs[n] = {"hidden": hidden, "logits": logits, "greedy": greedy}
-        return outcomes
+        return self.buf.history[:steps, :R].tolist()
 
     def _check_fill(self, rows: list[UniformRow], n: int) -> None:
         tok, pos, meta = build_uniform(rows, n, self.cfg.block_size, self.cfg.max_blocks, self.device)
