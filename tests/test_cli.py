@@ -57,6 +57,20 @@ def test_draft_dtype_reaches_the_engine(llm_kwargs):
     assert llm_kwargs["draft_dtype"] == "auto"
 
 
+def test_num_scheduler_steps_reaches_the_engine(llm_kwargs):
+    with pytest.raises(_Captured):
+        cli.main(["generate", "x", "--num-scheduler-steps", "4"])
+    assert llm_kwargs["num_scheduler_steps"] == 4
+    with pytest.raises(_Captured):
+        cli.main(["generate", "x"])
+    assert llm_kwargs["num_scheduler_steps"] == 1
+
+
+def test_num_scheduler_steps_with_drafts_is_refused_by_name(capsys):
+    assert cli.main(["generate", "x", "--num-spec", "3", "--num-scheduler-steps", "4"]) == 2
+    assert "num_scheduler_steps=4" in capsys.readouterr().err
+
+
 def test_several_prompts_run_as_one_batch_each_printed_under_its_number(capsys):
     prompts = ["def fibonacci(n):", "import os\n"]
     assert cli.main(["generate", *prompts, "--max-tokens", "12"]) == 0

@@ -353,11 +353,7 @@ class Scheduler:
         return max(steps, 1)
 
     def _schedule_verify(self, decoding: list[Request]) -> StepPlan | None:
-        steps, span = self._decode_steps(decoding), self._verify_span
-        # Blocks for every step of the run, or one step as usual: a run never preempts (the
-        # pools admitted each request for a one-step span; a request alone would preempt itself).
-        if steps > 1 and not all(self._ensure_blocks(r, r.num_computed + steps - 1 + span) for r in decoding):
-            steps = 1
+        span = self._verify_span
         scheduled = []
         for r in decoding:
             if r.status != Status.RUNNING:
@@ -371,6 +367,12 @@ class Scheduler:
                 scheduled.append(r)
         if not scheduled:
             return None
+        # A run of decode steps when the pools lend the blocks of all its steps now, else one
+        # step: a run never preempts (a request alone would preempt itself over and over), and
+        # every request has its one step's blocks before any asks for more.
+        steps = self._decode_steps(scheduled)
+        if steps > 1 and not all(self._ensure_blocks(r, r.num_computed + steps - 1 + span) for r in scheduled):
+            steps = 1
         return StepPlan(StepKind.VERIFY, scheduled, [], self.dispatch(len(scheduled)), self.cfg.bundle,
                         decode_steps=steps)
 
