@@ -1,6 +1,6 @@
 """num_scheduler_steps (EngineArgs; CPU graphs, num_spec 0): up to that many decode steps run per
-scheduling, the verify graph replayed in a row with each replay's greedy tokens fed to the next
-on the host's buffers (graphs/captured.CapturedSteps.decode, engine/runner._decode_run). What is
+scheduling, a decode graph replayed in a row, each replay writing the next one's inputs itself
+(step.metadata.advance_decode, graphs/captured.CapturedSteps.decode, engine/runner._decode_run). What is
 generated must not change: tokens, texts and finish reasons equal enforce_eager's one step at a
 time, both families, batch 1 and 8, traced graphs and direct calls, with stops inside a run,
 prefix-cache hits after a run (the decode snapshot saved where one step at a time saves it),
@@ -89,6 +89,14 @@ def test_a_run_emits_tokens_of_their_own_steps(monkeypatch):
     assert 4 in seen and len(seen) < 20
     assert out.token_steps == list(range(21)) and out.token_draft_positions == [0] * 21
     assert llm.stats.verify_steps - before == 20    # the first token is the prefill's
+    # a stop inside a run: the steps after it were never steps one at a time
+    stop = out.token_ids[6]
+    before = llm.stats.verify_steps
+    short = llm.generate([llm.tokenizer.encode("The capital of").ids],
+                         SamplingParams(max_tokens=21, ignore_eos=True, stop_token_ids=[stop]))[0].outputs[0]
+    n = out.token_ids.index(stop) + 1
+    assert short.token_ids == out.token_ids[:n] and n % 4 != 1     # (it stopped inside a run)
+    assert llm.stats.verify_steps - before == n - 1 and short.token_steps == list(range(n))
 
 
 def test_prefix_hits_after_a_run_equal_one_step_at_a_time():
@@ -122,20 +130,22 @@ def test_a_sampled_row_runs_one_step_at_a_time(monkeypatch):
         seen = _runs(m, llm)
         got = _outs(llm.generate(prompts, params))
     assert got == want
-    assert seen[:4] == [1] * 4 and max(seen) == 4, seen
+    assert seen[:7] == [1] * 7 and max(seen) == 4, seen   # the sampled row's 7 decode steps, then runs
 
 
 def test_a_run_the_pool_cannot_hold_steps_one_at_a_time():
-    """A run takes blocks for all its steps only when the pools have them free, else its step
-    runs alone as usual: a run never preempts (a request alone would preempt itself over and
-    over). Here the pool has no block free; one step fits in the request's last block, a run of
-    4 would need the next."""
-    llm = LLM("tiny-qwen3-next", num_scheduler_steps=4, block_size=4, enable_prefix_caching=False, **BASE)
-    llm.runner.graphs.trace_after = 0
-    prompt = list(range(5, 12))                 # 7 tokens: the first decode step writes position 7, in block 1
+    """A run takes blocks for all its steps only when the pools have them all free, else its step
+    runs alone as usual, taking nothing more: a run never preempts (a request alone would preempt
+    itself over and over) nor holds blocks another request's next step needs. Two requests, one
+    block free: a step each fits their last blocks, their runs of 4 would need a block each."""
+    kw = dict(BASE, block_size=4, enable_prefix_caching=False)
+    prompts = [list(range(5, 10)), list(range(20, 26))]   # next positions 5 and 6: block 1 holds 4..7
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
-    want = llm.generate([prompt], sp)[0].outputs[0].token_ids
-    req = llm.add_request(prompt, sp)
+    one = LLM("tiny-qwen3-next", **kw)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, sp)]
+    llm = LLM("tiny-qwen3-next", num_scheduler_steps=4, **kw)
+    llm.runner.graphs.trace_after = 0
+    reqs = [llm.add_request(p, sp) for p in prompts]
     plans, real = [], llm.scheduler.schedule
 
     def schedule():
@@ -143,17 +153,18 @@ def test_a_run_the_pool_cannot_hold_steps_one_at_a_time():
         plans.append(plan)
         return plan
     llm.scheduler.schedule = schedule
-    llm.step()                                  # the prefill: blocks 0 and 1 (positions 0..7)
-    assert req.num_computed == 7
+    while any(r.num_computed == 0 for r in reqs):   # the prefills
+        llm.step()
+    assert [r.num_computed for r in reqs] == [5, 6]
     pool = llm.kv_pools["full"]
-    held = pool.allocate(pool.num_free)         # nothing free
+    held = pool.allocate(pool.num_free - 1)         # one block free
     llm.step()
-    assert plans[-1].decode_steps == 1 and req.num_preemptions == 0
+    assert plans[-1].decode_steps == 1 and pool.num_free == 1   # the run fell back and took nothing
     pool.free(held)
     while llm.scheduler.has_unfinished():
         llm.step()
     assert max(p.decode_steps for p in plans) == 4
-    assert req.output_token_ids == want and req.num_preemptions == 0
+    assert [r.output_token_ids for r in reqs] == want and not any(r.num_preemptions for r in reqs)
 
 
 def test_a_row_whose_logits_go_non_finite_inside_a_run_keeps_the_tokens_before():
@@ -178,6 +189,7 @@ def test_a_row_whose_logits_go_non_finite_inside_a_run_keeps_the_tokens_before()
     assert got[0].finish_reason == "error" and "not finite" in got[0].error
     kept = len(got[0].token_ids)
     assert 1 + 4 + 2 == kept and got[0].token_ids == want[0][:kept]   # prefill's token, a run, 2 steps
+    assert got[0].token_steps == list(range(kept)) and got[0].token_draft_positions == [0] * kept
     assert got[1].token_ids == want[1] and got[1].finish_reason == "length"
 
 
@@ -185,7 +197,7 @@ def test_debug_mode_checks_every_step_of_a_run(monkeypatch):
     """Under mtpkit.debug() each step of a run checks the buffers the decode graph advanced against
     the metadata builder (a wrong advance is caught), and the tokens stay the same."""
     llm = _llm("tiny-qwen3-next", 3, "direct")
-    prompts = [llm.tokenizer.encode(t).ids for t in TEXTS[:2]]
+    prompts = [llm.tokenizer.encode(t).ids for t in TEXTS[:3]]   # 3 rows in a graph of 4: a padded row
     sp = SamplingParams(max_tokens=9, ignore_eos=True)
     want = _outs(_llm("tiny-qwen3-next", 1, "eager").generate(prompts, sp))
     with mtpkit.debug():
@@ -209,7 +221,8 @@ def test_callers_on_threads_get_what_they_get_alone():
     llm = _llm("tiny-gemma4", 4)
     prompts = [llm.tokenizer.encode(t).ids for t in TEXTS]
     sp = [SamplingParams(max_tokens=10 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
-    want = [_outs(llm.generate([p], s)) for p, s in zip(prompts, sp)]
+    one = _llm("tiny-gemma4", 1)
+    want = [_outs(one.generate([p], s)) for p, s in zip(prompts, sp)]
     got, errors = [None] * len(prompts), []
 
     def call(i):
@@ -237,6 +250,7 @@ def test_a_stream_reports_a_run_at_once():
 @pytest.mark.parametrize("kw,problem", [
     (dict(num_scheduler_steps=0), "must be >= 1"),
     (dict(num_scheduler_steps=2.0), "must be an int"),
+    (dict(num_scheduler_steps=None), "must be an int"),
     (dict(num_scheduler_steps=4, num_spec=3), "set num_scheduler_steps=1 or num_spec=0"),
     (dict(num_scheduler_steps=4, enforce_eager=True), "enforce_eager=True has none"),
 ])
@@ -288,25 +302,42 @@ def test_the_decode_advance_is_the_next_steps_metadata(tmp_path, mode):
         advance_decode(greedy, token_ids, positions, slot_mappings, seq_lens, block_tables, history, step, bs)
         return token_ids + 0   # (a graph returns something)
 
-    def buffers(rows):
+    def buffers(rows, step: int = 0, backing: list | None = None):
+        """build_uniform's values in views of graph size n over buffers of n + 2 rows (as
+        StaticBuffers passes them: the slots', tables' and history's strided), the rows past n
+        a sentinel the advance must not touch; then the history and the step counter."""
         tok, pos, meta = build_uniform(rows, n, bs, max_blocks, "cpu")
-        return [tok, pos, meta.slot_mappings.clone(), meta.seq_lens.clone(), meta.block_tables.clone()]
+        views = []
+        for t, dim in ((tok, 0), (pos, 0), (meta.slot_mappings, 1), (meta.seq_lens, 0), (meta.block_tables, 1),
+                       (torch.zeros(steps, n, 3, dtype=torch.int64), 1)):
+            shape = list(t.shape)
+            shape[dim] += 2
+            big = torch.full(shape, -7, dtype=torch.int64)
+            view = big[:n] if dim == 0 else big[:, :n]
+            view.copy_(t)
+            views.append(view)
+            if backing is not None:
+                backing.append((big, dim))
+        return views + [torch.tensor([step])]
 
     rows = _advance_case(g, n, R, pools, bs, max_blocks)
     greedy = torch.stack([torch.randint(0, 100, (n,), generator=g), torch.ones(n, dtype=torch.int64),
                           torch.ones(n, dtype=torch.int64)], dim=1)
-    example = buffers(rows[:R]) + [torch.zeros(steps, n, 3, dtype=torch.int64), torch.tensor([1])]
+    example = buffers(rows[:R], 1)
     run = {"eager": lambda: fn, "traced": lambda: torch.jit.trace(fn, (greedy, *example), check_trace=False),
            "aot": lambda: Compiler("aot", [torch.nn.Linear(1, 1)], cache_dir=tmp_path).compile(
                fn, (greedy, *example), "advance_test")}[mode]()
     for trial in range(3):
         rows = _advance_case(g, n, R, pools, bs, max_blocks)
         greedy[:, 0] = torch.randint(0, 100, (n,), generator=g)
-        bufs = buffers(rows[:R]) + [torch.zeros(steps, n, 3, dtype=torch.int64), torch.tensor([trial])]
+        backing = []
+        bufs = buffers(rows[:R], trial, backing)
         run(greedy, *bufs)
+        for big, dim in backing:   # nothing written past graph size n
+            assert (big[n:] if dim == 0 else big[:, n:]).eq(-7).all()
         nxt = [UniformRow([int(t)], r.start + 1, r.block_ids, r.state_slots, 1)
                for t, r in zip(greedy[:R, 0].tolist(), rows[:R])]
-        want = buffers(nxt[1:])                                # row 0's next position has no block
+        want = buffers(nxt[1:])[:5]                            # row 0's next position has no block
         got = [b[..., 1:R] if b.dim() < 3 else b[:, 1:R] for b in bufs[:5]]
         want = [w[..., :R - 1] if w.dim() < 3 else w[:, :R - 1] for w in want]
         assert all(torch.equal(a, b) for a, b in zip(got, want)), (trial, got, want)

@@ -148,6 +148,9 @@ def check_args(a: EngineArgs) -> None:
                                                    a.prefix_snapshot_interval % a.block_size):
         raise ConfigError(f"prefix_snapshot_interval={a.prefix_snapshot_interval} must be a positive multiple of "
                           f"block_size={a.block_size} (snapshots sit at block boundaries)")
+    if not isinstance(a.num_scheduler_steps, int) or isinstance(a.num_scheduler_steps, bool):
+        raise ConfigError(f"num_scheduler_steps={a.num_scheduler_steps!r} must be an int >= 1 (decode steps per "
+                          "scheduling; 1: one at a time)")
     if a.num_scheduler_steps < 1:
         raise ConfigError(f"num_scheduler_steps={a.num_scheduler_steps} must be >= 1 (decode steps per scheduling)")
     if a.num_scheduler_steps > 1 and n:

@@ -148,6 +148,22 @@ class KVPools:
             ok = self._copy_on_write(tables, first_query, end, copies)
         return ok
 
+    def can_extend(self, extents: list[tuple[list[BlockTable], int, int]]) -> bool:
+        """Whether `ensure(tables, first_query, end)` of every (tables, first_query, end) in
+        `extents` would all succeed from the blocks free now, taking nothing: tables already
+        ensured for a step from first_query on (its window's blocks returned, the blocks it
+        writes private), extended to `end` by new blocks only (positions past the sequence are
+        never shared)."""
+        need = dict.fromkeys(self.allocators, 0)
+        for tables, first_query, end in extents:
+            end = min(end, self.max_positions)
+            for pool, t in zip(self.pools, tables):
+                lo = self.keep_from(pool, first_query) // self.block_size
+                want = blocks_for(end, self.block_size)
+                if want > len(t.ids):
+                    need[pool.name] += want - len(t.ids) - max(0, min(lo, want) - len(t.ids))
+        return all(self.allocators[name].num_free >= n for name, n in need.items())
+
     def _copy_on_write(self, tables: list[BlockTable], first_query: int, end: int,
                        copies: list[tuple[int, int, int]]) -> bool:
         """Private copies of the shared blocks holding positions first_query .. end - 1: all

@@ -371,8 +371,14 @@ class Scheduler:
         # step: a run never preempts (a request alone would preempt itself over and over), and
         # every request has its one step's blocks before any asks for more.
         steps = self._decode_steps(scheduled)
-        if steps > 1 and not all(self._ensure_blocks(r, r.num_computed + steps - 1 + span) for r in scheduled):
-            steps = 1
+        if steps > 1:
+            ends = [r.num_computed + steps - 1 + span for r in scheduled]
+            if self.pools.can_extend([(r.block_tables, r.num_computed, end) for r, end in zip(scheduled, ends)]):
+                for r, end in zip(scheduled, ends):
+                    held = self._ensure_blocks(r, end)
+                    assert held, "the pools had the run's blocks free"
+            else:
+                steps = 1
         return StepPlan(StepKind.VERIFY, scheduled, [], self.dispatch(len(scheduled)), self.cfg.bundle,
                         decode_steps=steps)
 
@@ -443,13 +449,17 @@ class Scheduler:
         for i, (r, res) in enumerate(zip(plan.reqs, results)):
             if r.status == Status.FINISHED:
                 continue  # aborted while its step ran (a stream collected by gc mid-step)
+            run = plan.decode_steps > 1
+            before = len(r.output_token_ids)
             if res.error is not None:
                 # The tokens before the position that failed (a dead end of the controls) are
                 # the request's, as they would have been without drafts; then it ends.
                 kept = res.emitted[:res.tokens_before_error]
-                if not (kept and self._append(r, kept, plan.kind == StepKind.VERIFY, res.logprobs)):
+                if not (kept and self._append(r, kept, plan.kind == StepKind.VERIFY, res.logprobs, run)):
                     r.error = res.error
                     self.finish(r, "error")
+                if run:
+                    r.stats.verify_steps += len(r.output_token_ids) - before
                 finished.append(r)
                 continue
             if plan.kind == StepKind.PREFILL:
@@ -460,19 +470,20 @@ class Scheduler:
                 if r.in_prefill:
                     continue
                 r.prev_num_emitted = plan.bundle  # prefill leaves state as if the whole bundle was accepted
-            elif plan.decode_steps > 1:   # one token per step, each step's state in the one bundle slot
+            elif run:   # one token per step, the last step's state in the one bundle slot
                 r.num_computed += res.num_emitted
-                self._key_blocks(r, res.emitted, r.num_computed - 1)   # the last step's state is the slot's
+                self._key_blocks(r, res.emitted, r.num_computed - 1)
                 r.prev_num_emitted = 1
-                r.stats.record(0, 0)
-                r.stats.verify_steps += res.num_emitted - 1
             else:
                 r.num_computed += res.num_emitted
                 self._key_blocks(r, res.emitted, r.num_computed - res.num_emitted)
                 r.prev_num_emitted = res.num_emitted
                 r.stats.record(res.drafted, res.num_emitted - 1)
             r.drafts = res.drafts
-            if self._append(r, res.emitted, plan.kind == StepKind.VERIFY, res.logprobs, plan.decode_steps > 1):
+            done = self._append(r, res.emitted, plan.kind == StepKind.VERIFY, res.logprobs, run)
+            if run:   # a verify step per token kept (those after a stop were never steps one at a time)
+                r.stats.verify_steps += len(r.output_token_ids) - before
+            if done:
                 finished.append(r)
         return finished
 

@@ -626,10 +626,11 @@ class CapturedSteps:
         self.buf.host["decode_step"][0] = 0
         args = self._decode_args(n)
         for j in range(steps):
-            if j and is_debug():
-                tokens = self.buf.history[j - 1, :R, 0].tolist()
+            if j and is_debug():   # the rows one token further: the real ones and the padded ones
+                tokens, pools = self.buf.history[j - 1, :n, 0].tolist(), len(rows[0].block_ids)
                 self._check_fill([UniformRow([t], r.start + j, r.block_ids, r.state_slots, 1)
-                                  for t, r in zip(tokens, rows)], n)
+                                  for t, r in zip(tokens, rows)]
+                                 + [UniformRow([t], j, [[] for _ in range(pools)], [0], 1) for t in tokens[R:]], n)
             hidden, logits, greedy = decode(*args)
         self._last = last
         self.outputs[n] = {"hidden": hidden, "logits": logits, "greedy": greedy}
