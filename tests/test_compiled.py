@@ -71,7 +71,7 @@ def _compiled(path, mode, **kw):
 def _compiled_names(llm) -> set[str]:
     g = llm.runner.graphs
     graphs = (list(g.verify_graphs.values()) + list(g.propose_graphs.values()) + list(g.prefill_proposal_graphs.values())
-              + list(g.prefill_graphs.values()))
+              + list(g.prefill_graphs.values()) + list(g.decode_graphs.values()))
     assert all(isinstance(x, LazyCompiled) for x in graphs if x is not None)
     assert not [r for r in g.compiler.records if r.error], g.compiler.records
     return {r.name for r in g.compiler.records}
@@ -211,7 +211,8 @@ def gemma4_pair(tmp_path_factory):
     return d / "target", d / "assistant"
 
 
-def _matrix_case(family, k, batch, qwen, gemma4_pair, mode):
+def _matrix_case(family, k, batch, qwen, gemma4_pair, mode, steps=1):
+    """`steps`: num_scheduler_steps (num_spec 0): the decode runs' graph is compiled too."""
     if family == "qwen":
         path, kw = qwen, {}
     else:
@@ -219,7 +220,7 @@ def _matrix_case(family, k, batch, qwen, gemma4_pair, mode):
     prompts = [oracle.random_prompt(5 + 3 * i, 128, seed=70 + i) for i in range(batch)]   # both vocabularies >= 128
     base = dict(F64, max_num_seqs=batch, num_spec=k, **kw)
     eager = LLM(path, enforce_eager=True, **base).generate(prompts, MATRIX_SP)
-    llm = LLM(path, compile=mode, compile_after=0, **base)
+    llm = LLM(path, compile=mode, compile_after=0, num_scheduler_steps=steps, **base)
     llm.runner.graphs.trace_after = 0
     out = llm.generate(prompts, MATRIX_SP)
     assert [o.token_ids for o in out] == [o.token_ids for o in eager], \
@@ -230,6 +231,7 @@ def _matrix_case(family, k, batch, qwen, gemma4_pair, mode):
     names = _compiled_names(llm)
     assert any(n.startswith("verify_") for n in names), names
     assert k == 0 or any(n.startswith("propose_") for n in names), names
+    assert (steps > 1) == any(n.startswith("decode_") for n in names), names
     return names
 
 
@@ -238,6 +240,19 @@ def test_compiled_equals_eager_across_num_spec_and_batch(family, k, batch, qwen,
     names = _matrix_case(family, k, batch, qwen, gemma4_pair, "inductor")
     if batch == 8:   # the 8 prompts run as one batch: graph size 8
         assert any(n.startswith("verify_8_") for n in names), names
+
+
+@pytest.mark.parametrize("family,batch,steps", [("qwen", 8, 3), ("gemma4", 1, 4)])
+def test_compiled_decode_runs_equal_eager(family, batch, steps, qwen, gemma4_pair, dynamo_only):
+    names = _matrix_case(family, 0, batch, qwen, gemma4_pair, "inductor", steps)
+    assert f"decode_{batch}_64" in names, names
+
+
+@REAL
+@pytest.mark.parametrize("family", ["qwen", "gemma4"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_compiled_decode_runs_for_real(family, batch, qwen, gemma4_pair):
+    _matrix_case(family, 0, batch, qwen, gemma4_pair, "aot", 4)
 
 
 @REAL
