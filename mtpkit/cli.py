@@ -103,7 +103,7 @@ def add_memory_options(p: argparse.ArgumentParser) -> None:
                         "--compile aot-tuned on CPUs with bfloat16 arithmetic, slower without --compile "
                         "(auto: the target's)")
     p.add_argument("--num-scheduler-steps", type=int, default=1, metavar="N",
-                   help="CPU, --num-spec 0: up to N greedy decode steps per scheduling (the decode graph replayed N "
+                   help="CPU, --num-spec 0: up to N decode steps per scheduling (the decode graph replayed N "
                         "times in a row; the host's work around a step paid once per N tokens; the same text, "
                         "streamed N tokens at a time)")
 

@@ -211,18 +211,19 @@ def gemma4_pair(tmp_path_factory):
     return d / "target", d / "assistant"
 
 
-def _matrix_case(family, k, batch, qwen, gemma4_pair, mode, steps=1):
-    """`steps`: num_scheduler_steps (num_spec 0): the decode runs' graph is compiled too."""
+def _matrix_case(family, k, batch, qwen, gemma4_pair, mode, steps=1, sp=MATRIX_SP):
+    """`steps`: num_scheduler_steps (num_spec 0): the decode runs' graph is compiled too. `sp`:
+    the params (a list: per prompt)."""
     if family == "qwen":
         path, kw = qwen, {}
     else:
         path, kw = gemma4_pair[0], ({"draft_model": gemma4_pair[1]} if k else {})
     prompts = [oracle.random_prompt(5 + 3 * i, 128, seed=70 + i) for i in range(batch)]   # both vocabularies >= 128
     base = dict(F64, max_num_seqs=batch, num_spec=k, **kw)
-    eager = LLM(path, enforce_eager=True, **base).generate(prompts, MATRIX_SP)
+    eager = LLM(path, enforce_eager=True, **base).generate(prompts, sp)
     llm = LLM(path, compile=mode, compile_after=0, num_scheduler_steps=steps, **base)
     llm.runner.graphs.trace_after = 0
-    out = llm.generate(prompts, MATRIX_SP)
+    out = llm.generate(prompts, sp)
     assert [o.token_ids for o in out] == [o.token_ids for o in eager], \
         f"{family} num_spec={k} batch={batch} compiled ({mode}) != eager"
     # the drafts too (a wrong drafter changes only what is accepted): float64, the same argmax
@@ -242,17 +243,27 @@ def test_compiled_equals_eager_across_num_spec_and_batch(family, k, batch, qwen,
         assert any(n.startswith("verify_8_") for n in names), names
 
 
-@pytest.mark.parametrize("family,batch,steps", [("qwen", 8, 3), ("gemma4", 1, 4)])
-def test_compiled_decode_runs_equal_eager(family, batch, steps, qwen, gemma4_pair, dynamo_only):
-    names = _matrix_case(family, 0, batch, qwen, gemma4_pair, "inductor", steps)
-    assert f"decode_{batch}_64" in names, names
+def _seeded(batch: int) -> list[SamplingParams]:
+    """Seeded random rows (top-k, top-p, min-p) and a greedy one: what a decode run samples in its graph."""
+    return [SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.7, seed=40 + i, top_k=[0, 12][i % 2],
+                           top_p=[1.0, 0.9][i // 2 % 2], min_p=0.02 * (i % 3 == 2)) if i % 4 != 3
+            else MATRIX_SP for i in range(batch)]
+
+
+@pytest.mark.parametrize("family,batch,steps,sampled", [("qwen", 8, 3, False), ("gemma4", 1, 4, False),
+                                                        ("qwen", 8, 3, True), ("gemma4", 1, 4, True)])
+def test_compiled_decode_runs_equal_eager(family, batch, steps, sampled, qwen, gemma4_pair, dynamo_only):
+    names = _matrix_case(family, 0, batch, qwen, gemma4_pair, "inductor", steps,
+                         _seeded(batch) if sampled else MATRIX_SP)
+    assert any(n.startswith(f"decode_{batch}_64") and (len(n.split("_")) > 3) == sampled for n in names), names
 
 
 @REAL
 @pytest.mark.parametrize("family", ["qwen", "gemma4"])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_compiled_decode_runs_for_real(family, batch, qwen, gemma4_pair):
-    _matrix_case(family, 0, batch, qwen, gemma4_pair, "aot", 4)
+@pytest.mark.parametrize("sampled", [False, True])
+def test_compiled_decode_runs_for_real(family, batch, sampled, qwen, gemma4_pair):
+    _matrix_case(family, 0, batch, qwen, gemma4_pair, "aot", 4, _seeded(batch) if sampled else MATRIX_SP)
 
 
 @REAL

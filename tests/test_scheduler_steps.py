@@ -117,20 +117,50 @@ def test_prefix_hits_after_a_run_equal_one_step_at_a_time():
     assert got[4][2] > len(prompt) + 8, "the next turn was meant to hit blocks the first turn's decode keyed"
 
 
-def test_a_sampled_row_runs_one_step_at_a_time(monkeypatch):
-    """A step with a random row (or any row the host must process) runs alone; once that row
-    finishes the greedy rows run in a row again. The seeded row draws what it draws without runs."""
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("mode", ["traced", "direct"])
+def test_sampled_rows_draw_in_a_run_what_they_draw_one_step_at_a_time(monkeypatch, name, mode):
+    """Random rows without controls or logprobs run too: the run's graph samples each step (the
+    sample body: the same p, the same (seed, position) noise) and feeds the drawn token to the
+    next, so seeded rows, and unseeded ones (seeded by the engine), draw what they draw one step at
+    a time, with top-k, top-p and min-p, beside greedy rows. Hot temperatures: near 1 the trained
+    models mostly draw their argmax, which would not tell a wrong draw from a right one."""
+    one, llm = _llm(name, 1, "eager"), _llm(name, 4, mode)
+    prompts = [llm.tokenizer.encode(t).ids for t in TEXTS[:5]]
+    base = dict(max_tokens=22, ignore_eos=True)
+    params = [SamplingParams(**base, temperature=1.8, seed=11),
+              SamplingParams(**base, temperature=2.0, seed=12, top_k=15),
+              SamplingParams(**base, temperature=1.6, seed=13, top_p=0.85, min_p=0.02),
+              SamplingParams(**base),
+              SamplingParams(**base, temperature=1.7)]              # unseeded: the engine's seed and its id
+    for batch in (1, 5):
+        want = _outs(one.generate(prompts[:batch], params[:batch]))
+        with monkeypatch.context() as m:
+            seen = _runs(m, llm)
+            got = _outs(llm.generate(prompts[:batch], params[:batch]))
+        assert [w for w, p in zip(want, params) if p.seed is not None or p.temperature == 0] == \
+            [g for g, p in zip(got, params) if p.seed is not None or p.temperature == 0], (name, batch)
+        assert max(seen) == 4, seen
+    # (the unseeded row draws from the engine's seed and its request id, which differ between the
+    # two engines' calls: it runs beside the others, its draws are not compared)
+
+
+def test_a_row_with_controls_or_logprobs_runs_one_step_at_a_time(monkeypatch):
+    """A step with a row the host must process (penalties, logprobs, a grammar) runs alone; once
+    that row finishes the others run in a row again."""
     one, llm = _llm("tiny-qwen3-next", 1), _llm("tiny-qwen3-next", 4)
     prompts = [llm.tokenizer.encode(t).ids for t in TEXTS[:3]]
     params = [SamplingParams(max_tokens=24, ignore_eos=True),
-              SamplingParams(max_tokens=8, temperature=1.5, seed=7, ignore_eos=True),
-              SamplingParams(max_tokens=24, ignore_eos=True, logprobs=None)]
-    want = _outs(one.generate(prompts, params))
-    with monkeypatch.context() as m:
-        seen = _runs(m, llm)
-        got = _outs(llm.generate(prompts, params))
-    assert got == want
-    assert seen[:7] == [1] * 7 and max(seen) == 4, seen   # the sampled row's 7 decode steps, then runs
+              SamplingParams(max_tokens=8, temperature=1.5, seed=7, ignore_eos=True, repetition_penalty=1.2),
+              SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.5, seed=8)]
+    for controlled in (params[1], SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)):
+        params[1] = controlled
+        want = _outs(one.generate(prompts, params))
+        with monkeypatch.context() as m:
+            seen = _runs(m, llm)
+            got = _outs(llm.generate(prompts, params))
+        assert got == want
+        assert seen[:7] == [1] * 7 and max(seen) == 4, seen   # the controlled row's 7 decode steps, then runs
 
 
 def test_a_run_the_pool_cannot_hold_steps_one_at_a_time():
@@ -177,8 +207,8 @@ def test_a_row_whose_logits_go_non_finite_inside_a_run_keeps_the_tokens_before()
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     real, runs = llm.runner.graphs.decode, []
 
-    def decode(rows, n, steps):
-        out = real(rows, n, steps)
+    def decode(rows, n, steps, sampled=None):
+        out = real(rows, n, steps, sampled)
         runs.append(steps)
         if len(runs) == 2 and steps == 4:
             out[2][0][2] = 0
@@ -204,8 +234,8 @@ def test_debug_mode_checks_every_step_of_a_run(monkeypatch):
         assert _outs(llm.generate(prompts, sp)) == want
         graphs, real = llm.runner.graphs, llm.runner.graphs._decode_fn
 
-        def not_advancing_seq_lens(max_seq_len):   # a planted fault
-            decode = real(max_seq_len)
+        def not_advancing_seq_lens(max_seq_len, filters=None):   # a planted fault
+            decode = real(max_seq_len, filters)
 
             def run(*args):
                 out = decode(*args)

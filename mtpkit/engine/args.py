@@ -69,8 +69,9 @@ class EngineArgs:
     steps run per scheduling, a decode graph replayed that many times in a row, each replay
     writing the next one's inputs itself (graphs/captured.CapturedSteps.decode), so the
     scheduling, metadata and bookkeeping around a step are paid once for several tokens.
-    Only steps whose every request is greedy without controls, logprobs or a grammar run so
-    (others run one step at a time); a run stops at a request's max_tokens / max_model_len and,
+    Only steps whose every request is without controls, logprobs or a grammar run so, greedy or
+    random (the run's graph samples each step: a seeded request draws what it draws one step at
+    a time); others run one step at a time; a run stops at a request's max_tokens / max_model_len and,
     with a prefix cache over recurrent state, at its next block boundary (whose state snapshot
     it saves). What is generated does not change; a stream reports the run's tokens together,
     and a request queued meanwhile waits for the run to end. 1 (default): one step at a time.

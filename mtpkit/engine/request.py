@@ -137,13 +137,17 @@ class Request:
     num_cached_tokens: int = 0
     decode_snapshot: int | None = None
     kv_match_end: int = 0
-    # Greedy without generation controls or logprobs: a verify step whose rows all are (and none
-    # has a grammar) takes the verify graph's greedy outcome as it is (engine/runner.py).
+    # Without generation controls or logprobs (greedy or random): its tokens are a graph's outcome
+    # alone, which decode runs feed to their next step inside the graph (num_scheduler_steps).
+    plain: bool = dataclasses.field(init=False, default=False)
+    # ... and greedy: a verify step whose rows all are (and none has a grammar) takes the verify
+    # graph's greedy outcome as it is (engine/runner.py).
     plain_greedy: bool = dataclasses.field(init=False, default=False)
 
     def __post_init__(self):
         p = self.params
-        self.plain_greedy = p.temperature == 0 and not p.has_controls and p.logprobs is None
+        self.plain = not p.has_controls and p.logprobs is None
+        self.plain_greedy = self.plain and p.temperature == 0
         if self.params.logprobs is not None and self.output_logprobs is None:
             self.output_logprobs = []
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

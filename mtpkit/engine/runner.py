@@ -263,14 +263,16 @@ class ModelRunner:
         return dead
 
     def _decode_run(self, plan: StepPlan) -> list[ReqResult]:
-        """plan.decode_steps greedy decode steps in a row (num_scheduler_steps; no drafts, every
-        row plain greedy, CPU graphs: the scheduler and the engine's build see to it), each
-        step's tokens the next one's inputs. A row whose logits were not finite at step j keeps
-        the j tokens before it and ends, as it would have one step at a time."""
+        """plan.decode_steps decode steps in a row (num_scheduler_steps; no drafts, every row
+        Request.plain, CPU graphs: the scheduler and the engine's build see to it), each step's
+        tokens the next one's inputs: greedy, or with a random row sampled inside the run's graph
+        (always: ModelRunner.sample_in_step applies to single steps). A row whose logits were not
+        finite at step j keeps the j tokens before it and ends, as it would have one step at a time."""
         reqs, steps = plan.reqs, plan.decode_steps
         rows = [UniformRow([r.last_token_id], r.num_computed, [t.ids for t in r.block_tables], r.state_slots,
                            r.prev_num_emitted) for r in reqs]
-        outcomes = self.graphs.decode(rows, plan.num_reqs_padded, steps)
+        sampled = any(r.params.temperature > 0 for r in reqs)
+        outcomes = self.graphs.decode(rows, plan.num_reqs_padded, steps, reqs if sampled else None)
         results = []
         for i, r in enumerate(reqs):
             res = ReqResult([o[i][0] for o in outcomes], steps, 0, [])

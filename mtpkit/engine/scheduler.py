@@ -339,12 +339,12 @@ class Scheduler:
 
     def _decode_steps(self, decoding: list[Request]) -> int:
         """Decode steps the next verify step of `decoding` runs in a row (num_scheduler_steps):
-        1 unless every request is greedy without controls, logprobs or a grammar (their tokens
-        decide the next step's inputs on the host alone); at most what each request may still
+        1 unless every request is without controls, logprobs or a grammar, greedy or random (Request.plain:
+        its tokens are a graph's outcome alone, which the run's graph feeds to its next step); at most what each request may still
         emit; with a prefix cache over recurrent state, ending at a request's next block boundary
         at the latest (only the last step's state is left to snapshot there: _key_blocks)."""
         steps = self.cfg.num_scheduler_steps
-        if steps == 1 or not all(r.plain_greedy and r.grammar is None for r in decoding):
+        if steps == 1 or not all(r.plain and r.grammar is None for r in decoding):
             return 1
         max_len, bs = self.cfg.max_model_len, self.cfg.block_size
         steps = min(steps, min(r.remaining(max_len) for r in decoding))

@@ -43,6 +43,7 @@ class StepBodies:
     def __init__(self, model, drafter: Drafter | None, bundle: int):
         self.model, self.drafter, self.bundle = model, drafter, bundle
         self.has_drafter = drafter is not None
+        self.vocab = model.cfg.vocab_size   # the logits' columns
         # A drafter that runs a model over the step's own metadata (not a tensor argument) is
         # never traced after a prefill.
         self.proposal_needs_step_metadata = drafter is not None and drafter.needs_step_metadata

@@ -357,20 +357,28 @@ class CapturedSteps:
             return hidden, logits, greedy
         return verify
 
-    def _decode_fn(self, max_seq_len: int):
-        """Decode runs (bundle 1, no drafter): the verify body, then its greedy outcome stored at
-        the run's step in `history` (the two arguments after the verify inputs: history [steps, n,
-        3], decode_step [1], which it advances) and the next replay's inputs written over the
-        rows' (step.metadata.advance_decode): no host work between two replays."""
+    def _decode_fn(self, max_seq_len: int, filters: Filters | None = None):
+        """Decode runs (bundle 1, no drafter): the verify body, then its greedy outcome (or with
+        `filters`, the sample body's outcome on its logits: three more arguments, the sampling
+        rows' floats and ints and the noise steps) stored at the run's step in `history` (the
+        two arguments after the verify inputs: history [steps, n, 3], decode_step [1], which it
+        advances) and the next replay's inputs written over the rows' (step.metadata.advance_decode):
+        no host work between two replays. Sampled tokens are keyed by (seed, position) as in one
+        step (the positions advance in the graph), so a run draws what single steps draw."""
         n_in, bs = VERIFY_INPUTS, self.cfg.block_size
+        extra = 2 if filters is None else 5
 
         def decode(*args):
             token_ids, positions, slot_mappings, seq_lens, block_tables = args[:5]
-            hidden, logits, greedy = self.bodies.verify(max_seq_len, *args[:n_in],
-                                                        self.cache.with_tensors(args[n_in + 2:]))
-            advance_decode(greedy, token_ids, positions, slot_mappings, seq_lens, block_tables, args[n_in],
+            hidden, logits, outcome = self.bodies.verify(max_seq_len, *args[:n_in],
+                                                         self.cache.with_tensors(args[n_in + extra:]))
+            if filters is not None:   # tokens, num_emitted, finite (no controls: every position is live)
+                floats, ints, steps = args[n_in + 2:n_in + 5]
+                outcome = self.bodies.sample(filters, logits, None, token_ids, positions, args[n_in - 1], floats, ints,
+                                             steps)[:, :3]
+            advance_decode(outcome, token_ids, positions, slot_mappings, seq_lens, block_tables, args[n_in],
                            args[n_in + 1], bs)
-            return hidden, logits, greedy
+            return hidden, logits, outcome
         return decode
 
     def _controls_fn(self):
@@ -431,12 +439,20 @@ class CapturedSteps:
                 + self._cache_tensors()
         return args
 
-    def _decode_args(self, n: int) -> tuple[Tensor, ...]:
-        args = self._args.get(("decode", n))
+    def _decode_args(self, n: int, sampled: bool) -> tuple[Tensor, ...]:
+        """`_decode_fn`'s arguments of graph size n (`sampled`: with the sampling rows and the
+        noise steps, which `_fill_sampling` and the vocabulary made first)."""
+        args = self._args.get(("decode", n, sampled))
         if args is None:
             buf = self.buf
-            args = self._args["decode", n] = buf.verify_inputs(n, 1) + (buf.history[:, :n], buf.decode_step) \
-                + self._cache_tensors()
+            sampling = ()
+            if sampled:
+                if self._noise_steps is None:   # (made here, outside any graph: see sampler.noise_steps)
+                    self._noise_steps = noise_steps(self.bodies.vocab, self.device)
+                rows = self._sample_rows
+                sampling = (rows.floats[:, :n], rows.ints[:, :n], self._noise_steps)
+            args = self._args["decode", n, sampled] = buf.verify_inputs(n, 1) + (buf.history[:, :n], buf.decode_step) \
+                + sampling + self._cache_tensors()
         return args
 
     def _verify_views(self, n: int) -> tuple[Tensor, ...]:
@@ -588,43 +604,48 @@ class CapturedSteps:
         if is_debug():   # the builder's metadata (shown in the trace) must be what the buffers hold
             self._check_fill(rows, n)
 
-    def _cpu_decode(self, n: int, max_seq_len: int):
-        """CPU: the decode graph (`_decode_fn`) of size n for sequences up to max_seq_len, or the
-        body called directly; traced when new as `_cpu_verify`'s graphs are (on inert rows,
-        before the buffers are filled)."""
+    def _cpu_decode(self, n: int, max_seq_len: int, filters: Filters | None):
+        """CPU: the decode graph (`_decode_fn`) of size n for sequences up to max_seq_len (with
+        `filters`: sampling those parts of p), or the body called directly; traced when new as
+        `_cpu_verify`'s graphs are (on inert rows, before the buffers are filled)."""
         if self.trace and not is_debug():
             context = self.context_bucket(max_seq_len)
-            key = ("decode", n, context)
-            uses = self._uses[key] = self._uses.get(key, 0) + 1
+            key = (n, context, filters)
+            uses = self._uses["decode", key] = self._uses.get(("decode", key), 0) + 1
             if uses > self.trace_after:
                 try:
-                    if (n, context) not in self.decode_graphs:
+                    if key not in self.decode_graphs:
                         self.buf.make_inert(n, self.bundle)
-                        self.decode_graphs[n, context] = self._trace(self._decode_fn(context), self._decode_args(n),
-                                                                     f"decode_{n}_{context}")
-                    return self.decode_graphs[n, context], LastVerify(n, context, context)
+                        name = f"decode_{n}_{context}" + ("" if filters is None else f"_{filters.code()}")
+                        self.decode_graphs[key] = self._trace(self._decode_fn(context, filters),
+                                                              self._decode_args(n, filters is not None), name)
+                    return self.decode_graphs[key], LastVerify(n, context, context)
                 except Exception as e:  # noqa: BLE001 - the direct call below needs no tracer
                     self._trace_failed(e)
-        return self._decode_fn(max_seq_len), LastVerify(n, None, max_seq_len)
+        return self._decode_fn(max_seq_len, filters), LastVerify(n, None, max_seq_len)
 
-    def decode(self, rows: list[UniformRow], num_reqs_padded: int, steps: int) -> list[list[list[int]]]:
+    def decode(self, rows: list[UniformRow], num_reqs_padded: int, steps: int,
+               sampled: list | None = None) -> list[list[list[int]]]:
         """CPU, no drafts (bundle 1): `steps` decode steps in a row (EngineConfig.num_scheduler_steps):
         the buffers filled with `rows` once, then the decode graph (`_decode_fn`) replayed `steps`
         times, each replay writing the next one's inputs itself and its outcome into the history,
-        read back once at the end: no host work between the replays but the calls. The rows'
-        blocks must hold every step's position. Returns each step's greedy outcome of the real
-        rows, [steps][num_reqs][token, 1, finite]. One graph serves the run: the context bucket
-        of its last step. In debug mode every step's buffers are checked against build_uniform."""
+        read back once at the end: no host work between the replays but the calls. `sampled`:
+        the rows' requests (SampledRequest, without controls or logprobs), whose settings the
+        graph samples with (`sample`'s buffers and filters), else every row is greedy. The rows'
+        blocks must hold every step's position. Returns each step's outcome of the real rows,
+        [steps][num_reqs][token, 1, finite]. One graph serves the run: the context bucket of its
+        last step. In debug mode every step's buffers are checked against build_uniform."""
         n, R = num_reqs_padded, len(rows)
         if self.cuda or self.bundle != 1 or steps > self.buf.history.shape[0]:
             raise ValueError(f"decode runs CPU graphs without drafts (bundle 1) of at most "
                              f"{self.buf.history.shape[0]} steps (num_scheduler_steps)")
         self._check_rows(rows, n)
+        filters = None if sampled is None else self._fill_sampling(sampled, n)
         self.buf.host["decode_step"][0] = 0   # (a trace made now runs the body once: within the history too)
-        decode, last = self._cpu_decode(n, max(r.start for r in rows) + steps)
+        decode, last = self._cpu_decode(n, max(r.start for r in rows) + steps, filters)
         self._fill(rows, n, [0] * R)
         self.buf.host["decode_step"][0] = 0
-        args = self._decode_args(n)
+        args = self._decode_args(n, filters is not None)
         for j in range(steps):
             if j and is_debug():   # the rows one token further: the real ones and the padded ones
                 tokens, pools = self.buf.history[j - 1, :n, 0].tolist(), len(rows[0].block_ids)
