@@ -7,6 +7,10 @@ CPU graphs traced (or compiled) in two warm-up runs of the same generations.
 
     python benchmarks/host_by_params.py                                   # tiny-qwen3-next, num_spec 3, traced
     python benchmarks/host_by_params.py --compile aot-tuned --num-spec 7 --draft-dtype bfloat16
+    python benchmarks/host_by_params.py --compile aot-tuned --num-spec 0 --scheduler-steps 8   # decode runs
+
+With --scheduler-steps N (num_spec 0: LLM(num_scheduler_steps=N)) a step is a run of up to N
+decode steps (for the requests without controls); the table adds its tokens and the host per token.
 """
 
 import argparse
@@ -31,10 +35,11 @@ def main() -> None:
     p.add_argument("--draft-dtype", default=None)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--scheduler-steps", type=int, default=1, help="LLM(num_scheduler_steps=...) (num_spec 0)")
     args = p.parse_args()
     kw = {} if args.compile == "none" else dict(compile=args.compile, compile_after=0)
     llm = LLM(args.model, num_spec=args.num_spec, dtype="float32", max_num_seqs=1, num_threads=1,
-              draft_dtype=args.draft_dtype, **kw)
+              draft_dtype=args.draft_dtype, num_scheduler_steps=args.scheduler_steps, **kw)
     llm.runner.graphs.trace_after = 0
     prompts = heldout_prompts(args.prompts, 64)
     base = dict(max_tokens=args.max_tokens, ignore_eos=True)
@@ -46,6 +51,7 @@ def main() -> None:
                                                                        repetition_penalty=1.05, seed=1)}
     print(f"host work per verify step (median us: the step's cycle less its graph replays), {args.model} num_spec "
           f"{args.num_spec}, compile {args.compile}, drafter dtype {args.draft_dtype or 'as the target'}, "
+          f"{args.scheduler_steps} decode step(s) per scheduling, "
           f"{args.prompts} held-out prompts x {args.max_tokens} tokens at batch 1, one thread:")
     clock = GraphClock()
     for label, sp in kinds.items():
@@ -53,7 +59,7 @@ def main() -> None:
             llm.generate(prompts, sp)
         replace_graphs(llm.runner.graphs, graphs_of(llm.runner.graphs), lambda key, fn: getattr(fn, "timed", fn))
         replace_graphs(llm.runner.graphs, graphs_of(llm.runner.graphs), _timed_by(clock))
-        host, graphs = [], []
+        host, graphs, events = [], [], 0
         for q in prompts:
             t, before = time.perf_counter(), clock.seconds
             steps = []
@@ -63,8 +69,11 @@ def main() -> None:
                 t, before = now, clock.seconds
             host += [h for h, _ in steps[1:]]   # (the first event's cycle is the prefill's)
             graphs += [g for _, g in steps[1:]]
+            events += len(steps) - 1
         h, g = statistics.median(host), statistics.median(graphs)
-        print(f"  {label:40s} host {h:7.1f} us, graphs {g:7.1f} us: host {h / (h + g):5.1%} of a step")
+        per = len(prompts) * (args.max_tokens - 1) / events   # tokens per step (after the prefill's first)
+        print(f"  {label:40s} host {h:7.1f} us, graphs {g:7.1f} us: host {h / (h + g):5.1%} of a step"
+              + (f"; {per:.2f} tokens per step, host {h / per:6.1f} us per token" if args.scheduler_steps > 1 else ""))
 
 
 def _timed_by(clock: GraphClock):
