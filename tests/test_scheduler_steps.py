@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import mtpkit
-from mtpkit import LLM, SamplingParams
+from mtpkit import LLM, SamplingParams, StructuredOutputs
 from mtpkit.engine.build import check_scheduler_steps
 from mtpkit.errors import ConfigError
 
@@ -23,6 +23,16 @@ TEXTS = ["def fibonacci(n):", "The capital of", "import torch\n", "1, 2, 3, 5, 8
          "class Node:\n    def", "SELECT * FROM", "# mtpkit"]
 BASE = dict(dtype="float64", max_num_seqs=8, max_model_len=128)
 _LLMS: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engines_closed_after_the_module():
+    """The engines this module shares are dropped after it (a worker runs other files after it:
+    each engine holds its caches and traced graphs, ~1 GB here together)."""
+    yield
+    for llm in _LLMS.values():
+        llm.close()
+    _LLMS.clear()
 
 
 def _llm(name: str, steps: int, mode: str = "traced") -> LLM:
@@ -122,9 +132,10 @@ def test_prefix_hits_after_a_run_equal_one_step_at_a_time():
 def test_sampled_rows_draw_in_a_run_what_they_draw_one_step_at_a_time(monkeypatch, name, mode):
     """Random rows without controls or logprobs run too: the run's graph samples each step (the
     sample body: the same p, the same (seed, position) noise) and feeds the drawn token to the
-    next, so seeded rows, and unseeded ones (seeded by the engine), draw what they draw one step at
-    a time, with top-k, top-p and min-p, beside greedy rows. Hot temperatures: near 1 the trained
-    models mostly draw their argmax, which would not tell a wrong draw from a right one."""
+    next, so seeded rows draw what they draw one step at a time, with top-k, top-p and min-p,
+    beside greedy rows and an unseeded random row (seeded by the engine and its request id, which
+    differ between the two engines: not compared). Hot temperatures: near 1 the trained models
+    mostly draw their argmax, which would not tell a wrong draw from a right one."""
     one, llm = _llm(name, 1, "eager"), _llm(name, 4, mode)
     prompts = [llm.tokenizer.encode(t).ids for t in TEXTS[:5]]
     base = dict(max_tokens=22, ignore_eos=True)
@@ -141,19 +152,21 @@ def test_sampled_rows_draw_in_a_run_what_they_draw_one_step_at_a_time(monkeypatc
         assert [w for w, p in zip(want, params) if p.seed is not None or p.temperature == 0] == \
             [g for g, p in zip(got, params) if p.seed is not None or p.temperature == 0], (name, batch)
         assert max(seen) == 4, seen
-    # (the unseeded row draws from the engine's seed and its request id, which differ between the
-    # two engines' calls: it runs beside the others, its draws are not compared)
+    if mode == "traced":   # the sampled runs replayed traces (a failed trace turns tracing off)
+        graphs = llm.runner.graphs
+        assert graphs.trace and any(filters is not None for _, _, filters in graphs.decode_graphs)
 
 
 def test_a_row_with_controls_or_logprobs_runs_one_step_at_a_time(monkeypatch):
-    """A step with a row the host must process (penalties, logprobs, a grammar) runs alone; once
-    that row finishes the others run in a row again."""
+    """A step with a row the host must process (penalties, logprobs, a grammar's masks) runs alone;
+    once that row finishes the others run in a row again."""
     one, llm = _llm("tiny-qwen3-next", 1), _llm("tiny-qwen3-next", 4)
     prompts = [llm.tokenizer.encode(t).ids for t in TEXTS[:3]]
     params = [SamplingParams(max_tokens=24, ignore_eos=True),
               SamplingParams(max_tokens=8, temperature=1.5, seed=7, ignore_eos=True, repetition_penalty=1.2),
               SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.5, seed=8)]
-    for controlled in (params[1], SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)):
+    grammar = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(regex="[a-z]{8}"))
+    for controlled in (params[1], SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2), grammar):
         params[1] = controlled
         want = _outs(one.generate(prompts, params))
         with monkeypatch.context() as m:
@@ -161,6 +174,7 @@ def test_a_row_with_controls_or_logprobs_runs_one_step_at_a_time(monkeypatch):
             got = _outs(llm.generate(prompts, params))
         assert got == want
         assert seen[:7] == [1] * 7 and max(seen) == 4, seen   # the controlled row's 7 decode steps, then runs
+    assert len(got[1][0]) == 8 and all(c.isalpha() and c.islower() for c in got[1][1])   # the grammar held
 
 
 def test_a_run_the_pool_cannot_hold_steps_one_at_a_time():

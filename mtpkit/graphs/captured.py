@@ -309,12 +309,12 @@ class CapturedSteps:
         self.trace = not self.cuda and bodies.traceable
         self.trace_after = CPU_TRACE_AFTER
         self.verify_graphs: dict = {}     # CUDA: n -> graph; CPU: (n, context) -> traced function
-        self.decode_graphs: dict = {}     # CPU: (n, context) -> traced decode body (`decode`)
+        self.decode_graphs: dict = {}     # CPU: (n, context, Filters or None: greedy) -> traced decode body (`decode`)
         self.propose_graphs: dict = {}
         self.outputs: dict[int, dict[str, Tensor]] = {}
         self.pool = None
         self._last: LastVerify | None = None
-        self._uses: dict = {}             # CPU: replays of each (n, context) so far
+        self._uses: dict = {}             # CPU: replays of each (n, context) (decode runs: ("decode", key)) so far
         self.prefill_proposal_graphs: dict = {}    # CPU: (tokens, n, context) -> traced proposal after a prefill
         self._prefill_proposal_uses: dict = {}
         self.prefill_graphs: dict = {}    # CPU: (tokens, context) -> the traced target forward of a prefill
