@@ -22,17 +22,7 @@ MODELS = ("tiny-qwen3-next", "tiny-gemma4")
 TEXTS = ["def fibonacci(n):", "The capital of", "import torch\n", "1, 2, 3, 5, 8,", "Once upon",
          "class Node:\n    def", "SELECT * FROM", "# mtpkit"]
 BASE = dict(dtype="float64", max_num_seqs=8, max_model_len=128)
-_LLMS: dict = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _engines_closed_after_the_module():
-    """The engines this module shares are dropped after it (a worker runs other files after it:
-    each engine holds its caches and traced graphs, ~1 GB here together)."""
-    yield
-    for llm in _LLMS.values():
-        llm.close()
-    _LLMS.clear()
+_LLMS: dict = {}   # (emptied after the module by conftest._give_back_memory)
 
 
 def _llm(name: str, steps: int, mode: str = "traced") -> LLM:
