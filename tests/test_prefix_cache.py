@@ -32,13 +32,21 @@ FAMILIES = {"qwen3_next": ("tiny-qwen3-next", {}),
             "gemma4_draft_model": ("tiny-gemma4", {"draft_model": "tiny-gemma4"})}
 
 _LLMS: dict = {}
+# Engines kept at once (the least recently used closed first): each holds pools for 8 requests of
+# 1024 float64 positions and its snapshots, and the file's ~12 configurations together took the
+# worker past 2 GB.
+MAX_KEPT = 4
 
 
 def _llm(family: str, num_spec: int, cache: bool = True, **kw) -> LLM:
     if family == "qwen3_next" and cache:   # state snapshots at every block boundary a prefill reaches
         kw.setdefault("prefix_snapshot_interval", BLOCK)
     key = (family, num_spec, cache, tuple(sorted(kw.items())))
-    if key not in _LLMS:
+    if key in _LLMS:
+        _LLMS[key] = _LLMS.pop(key)   # the most recently used last
+    else:
+        while len(_LLMS) >= MAX_KEPT:
+            _LLMS.pop(next(iter(_LLMS))).close()
         name, extra = FAMILIES[family]
         _LLMS[key] = LLM(name, num_spec=num_spec, enable_prefix_caching=cache, **{**F64, **kw},
                          **(extra if num_spec else {}))
