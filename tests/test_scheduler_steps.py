@@ -268,8 +268,8 @@ def test_callers_on_threads_get_what_they_get_alone():
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
-    assert not errors and got == want
+        t.join(timeout=300)   # (a deadlock fails here instead of hanging the run)
+    assert not any(t.is_alive() for t in threads) and not errors and got == want
 
 
 def test_a_stream_reports_a_run_at_once():
