@@ -19,6 +19,7 @@ from mtpkit.engine.build import check_scheduler_steps
 from mtpkit.errors import ConfigError
 
 MODELS = ("tiny-qwen3-next", "tiny-gemma4")
+DRAFTERS = {"tiny-qwen3-next": None, "tiny-gemma4": "tiny-gemma4-assistant"}   # None: the MTP head
 TEXTS = ["def fibonacci(n):", "The capital of", "import torch\n", "1, 2, 3, 5, 8,", "Once upon",
          "class Node:\n    def", "SELECT * FROM", "# mtpkit"]
 BASE = dict(dtype="float64", max_num_seqs=8, max_model_len=128)
@@ -147,6 +148,20 @@ def test_sampled_rows_draw_in_a_run_what_they_draw_one_step_at_a_time(monkeypatc
         assert graphs.trace and any(filters is not None for _, _, filters in graphs.decode_graphs)
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_runs_generate_what_speculative_decoding_generates(name):
+    """The project's rule across both levers: decode runs without drafts (greedy and seeded
+    sampled rows) generate what num_spec 3 with the family's drafter generates."""
+    runs = _llm(name, 4)
+    spec = _LLMS.setdefault((name, "spec"), LLM(name, num_spec=3, draft_model=DRAFTERS[name], **BASE))
+    prompts = [runs.tokenizer.encode(t).ids for t in TEXTS[:4]]
+    base = dict(max_tokens=20, ignore_eos=True)
+    params = [SamplingParams(**base), SamplingParams(**base, temperature=1.8, seed=21),
+              SamplingParams(**base, temperature=1.6, seed=22, top_k=15, top_p=0.9), SamplingParams(**base)]
+    assert _outs(runs.generate(prompts, params)) == _outs(spec.generate(prompts, params))
+    assert spec.stats.num_accepted > 0
+
+
 def test_a_row_with_controls_or_logprobs_runs_one_step_at_a_time(monkeypatch):
     """A step with a row the host must process (penalties, logprobs, a grammar's masks) runs alone;
     once that row finishes the others run in a row again."""
@@ -252,9 +267,12 @@ def test_debug_mode_checks_every_step_of_a_run(monkeypatch):
 
 
 def test_callers_on_threads_get_what_they_get_alone():
+    """Eight callers on one engine with runs, half sampling (seeded): the steps batch them together
+    and each gets what one step at a time gives it alone."""
     llm = _llm("tiny-gemma4", 4)
     prompts = [llm.tokenizer.encode(t).ids for t in TEXTS]
-    sp = [SamplingParams(max_tokens=10 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    sp = [SamplingParams(max_tokens=10 + 3 * i, ignore_eos=True,   # half of the callers sample (seeded)
+                         **(dict(temperature=1.7, seed=30 + i) if i % 2 else {})) for i in range(len(prompts))]
     one = _llm("tiny-gemma4", 1)
     want = [_outs(one.generate([p], s)) for p, s in zip(prompts, sp)]
     got, errors = [None] * len(prompts), []

@@ -26,8 +26,9 @@ traced like the others; on CUDA the body is called on the static buffers, uncapt
 `sample`). Rejection sampling runs eager (engine/runner.py) only for rows under a grammar or a
 multi-token bad word, whose masks are applied on the host.
 Without drafts, with num_scheduler_steps > 1 (CPU), a decode run replays decode[n, context]: the
-verify body, then step.metadata.advance_decode writing the step's greedy outcome into a history
-buffer and the next step's inputs over the rows' own (tokens, positions, sequence lengths, slots),
+verify body (with a random row, then the sample body), then step.metadata.advance_decode writing
+the step's outcome into a history buffer and the next step's inputs over the rows' own (tokens,
+positions, sequence lengths, slots),
 so a run of steps is one fill, the replays back to back and one read-back (`decode`).
 A proposal with grammar masks (structured outputs' constrained rows: each pass's mask needs the
 previous pass's drafts on the host) calls the propose body directly on the same buffers.
@@ -91,6 +92,7 @@ class Bodies(Protocol):
     has_drafter: bool                    # a propose graph to capture
     proposal_needs_step_metadata: bool   # the proposal after a prefill reads the step's metadata: never traced
     traceable: bool                      # every op is visible to torch.jit.trace (no collectives, no Triton)
+    vocab: int                           # the logits' columns (the sample body's noise steps)
 
     def verify(self, max_seq_len: int, token_ids, positions, slot_mappings, seq_lens, block_tables, state_slots,
                prev_num_emitted, draft_limit, cache: CacheTensors) -> tuple[Tensor, Tensor, Tensor]: ...
@@ -148,7 +150,7 @@ class StaticBuffers:
     emitted: Tensor          # [max_reqs * bundle]  (propose: what the verify step emitted, per row)
     num_emitted: Tensor      # [max_reqs]           (propose: how many)
     draft_limit: Tensor      # [max_reqs]           (verify: drafts each row may accept; padded rows 0)
-    # decode runs (num_scheduler_steps; bundle 1): each replay's greedy outcome, and the run's
+    # decode runs (num_scheduler_steps; bundle 1): each replay's outcome (greedy or sampled), and the run's
     # step the decode graph writes next (it counts itself; the host zeroes it before a run)
     history: Tensor          # [decode_steps, max_reqs, 3]
     decode_step: Tensor      # [1]
@@ -447,10 +449,8 @@ class CapturedSteps:
             buf = self.buf
             sampling = ()
             if sampled:
-                if self._noise_steps is None:   # (made here, outside any graph: see sampler.noise_steps)
-                    self._noise_steps = noise_steps(self.bodies.vocab, self.device)
                 rows = self._sample_rows
-                sampling = (rows.floats[:, :n], rows.ints[:, :n], self._noise_steps)
+                sampling = (rows.floats[:, :n], rows.ints[:, :n], self._noise())
             args = self._args["decode", n, sampled] = buf.verify_inputs(n, 1) + (buf.history[:, :n], buf.decode_step) \
                 + sampling + self._cache_tensors()
         return args
@@ -619,10 +619,10 @@ class CapturedSteps:
                         name = f"decode_{n}_{context}" + ("" if filters is None else f"_{filters.code()}")
                         self.decode_graphs[key] = self._trace(self._decode_fn(context, filters),
                                                               self._decode_args(n, filters is not None), name)
-                    return self.decode_graphs[key], LastVerify(n, context, context)
+                    return self.decode_graphs[key]
                 except Exception as e:  # noqa: BLE001 - the direct call below needs no tracer
                     self._trace_failed(e)
-        return self._decode_fn(max_seq_len, filters), LastVerify(n, None, max_seq_len)
+        return self._decode_fn(max_seq_len, filters)
 
     def decode(self, rows: list[UniformRow], num_reqs_padded: int, steps: int,
                sampled: list | None = None) -> list[list[list[int]]]:
@@ -642,7 +642,7 @@ class CapturedSteps:
         self._check_rows(rows, n)
         filters = None if sampled is None else self._fill_sampling(sampled, n)
         self.buf.host["decode_step"][0] = 0   # (a trace made now runs the body once: within the history too)
-        decode, last = self._cpu_decode(n, max(r.start for r in rows) + steps, filters)
+        decode = self._cpu_decode(n, max(r.start for r in rows) + steps, filters)
         self._fill(rows, n, [0] * R)
         self.buf.host["decode_step"][0] = 0
         args = self._decode_args(n, filters is not None)
@@ -652,9 +652,9 @@ class CapturedSteps:
                 self._check_fill([UniformRow([t], r.start + j, r.block_ids, r.state_slots, 1)
                                   for t, r in zip(tokens, rows)]
                                  + [UniformRow([t], j, [[] for _ in range(pools)], [0], 1) for t in tokens[R:]], n)
-            hidden, logits, greedy = decode(*args)
-        self._last = last
-        self.outputs[n] = {"hidden": hidden, "logits": logits, "greedy": greedy}
+            decode(*args)
+        # (a run is followed by no proposal, controls or sample graph: `_last` and `outputs` stay
+        # the last verify's, and the next step fills the buffers anew)
         return self.buf.history[:steps, :R].tolist()
 
     def _check_fill(self, rows: list[UniformRow], n: int) -> None:
@@ -872,18 +872,21 @@ class CapturedSteps:
         self._sample_held = (list(reqs), n, filters)
         return filters
 
+    def _noise(self) -> Int[Tensor, "vocab"]:
+        """sampler.noise_steps of the vocabulary, made once, outside any graph (see there why)."""
+        if self._noise_steps is None:
+            self._noise_steps = noise_steps(self.bodies.vocab, self.device)
+        return self._noise_steps
+
     def _sample_args(self, n: int, controlled: bool) -> tuple[Tensor, ...]:
         """The sample body's arguments of graph size n, after the logits (and processed logits):
         views made once per size."""
         views = self._args.get(("sample", n))
         if views is None:
             T, buf = n * self.bundle, self.buf
-            logits = self.outputs[n]["logits"]
-            if self._noise_steps is None:   # (made here, outside any graph: see sampler.noise_steps)
-                self._noise_steps = noise_steps(logits.shape[-1], self.device)
             rows = self._sample_rows
             views = self._args["sample", n] = (buf.token_ids[:T], buf.positions[:T], buf.draft_limit[:n],
-                                               rows.floats[:, :n], rows.ints[:, :n], self._noise_steps,
+                                               rows.floats[:, :n], rows.ints[:, :n], self._noise(),
                                                buf.emitted[:T], buf.num_emitted[:n])
         logits = self.outputs[n]["logits"]
         return ((logits, self._processed) if controlled else (logits,)) + views

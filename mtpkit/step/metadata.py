@@ -252,21 +252,22 @@ def build_uniform(
 
 
 @checked
-def advance_decode(greedy: Int[Tensor, "num_reqs_padded outcome"], token_ids: Int[Tensor, "num_reqs_padded"],
+def advance_decode(outcome: Int[Tensor, "num_reqs_padded outcome"], token_ids: Int[Tensor, "num_reqs_padded"],
                    positions: Int[Tensor, "num_reqs_padded"], slot_mappings: Int[Tensor, "kv_pools num_reqs_padded"],
                    seq_lens: Int[Tensor, "num_reqs_padded"],
                    block_tables: Int[Tensor, "kv_pools num_reqs_padded max_blocks"],
                    history: Int[Tensor, "decode_steps num_reqs_padded outcome"], step: Int[Tensor, "1"],
                    block_size: int) -> None:
     """In place, inside a decode graph (one token per row, no drafts: graphs/captured.CapturedSteps.decode):
-    the step's greedy outcome kept at history[step] (and step + 1), and the next decode step's
-    inputs as build_uniform gives them for rows one token further: the greedy tokens, positions and
-    sequence lengths + 1, the slots from the block tables. A padded row (block table row 0) stays
-    in the null block. A position past the table's last block (after a run's last step, which the
-    next fill overwrites) reads that last column, never past it."""
-    history.index_copy_(0, step, greedy[None])
+    the step's outcome (token, num_emitted, finite per row: greedy, or sampled) kept at
+    history[step] (and step + 1), and the next decode step's inputs as build_uniform gives them for
+    rows one token further: the outcome's tokens, positions and sequence lengths + 1, the slots from
+    the block tables. A padded row (block table row 0) stays in the null block. A position past the
+    table's last block (after a run's last step, which the next fill overwrites) reads that last
+    column, never past it."""
+    history.index_copy_(0, step, outcome[None])
     step.add_(1)
-    token_ids.copy_(greedy[:, 0])
+    token_ids.copy_(outcome[:, 0])
     positions.add_(1)
     seq_lens.add_(1)
     blocks = (positions // block_size).clamp(max=block_tables.shape[-1] - 1)
